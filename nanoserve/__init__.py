@@ -1,0 +1,40 @@
+"""nanoserve: an LLM inference server written from scratch, and the simulator that runs it.
+
+Layers, top to bottom; a module imports only from layers below it (DESIGN.md):
+
+    server/       HTTP: OpenAI routes, SSE, metrics (Quart-Trio on Hypercorn)
+    serving       AsyncEngine, the Trio bridge: inbox, loop task, per-request channels
+    engine        Engine.step(): schedule -> execute -> sample -> update (sync, no clock)
+    scheduler     token-budget continuous batching, chunked prefill, preemption
+    kv            block pool, ref counts, prefix hashes, block tables (pure Python)
+    sampling      SamplingParams; sampler: batched tensor functions, per-row generators
+    detokenizer   incremental detokenizer with stop strings and hold-back
+    model/        Llama forward over a paged KV cache; the stub; weight + tokenizer loading
+    clock         step, live and virtual clocks
+
+`sim/` imports nanoserve, never the reverse. Nothing at or below `engine` imports trio,
+HTTP, or reads the wall clock.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__all__ = ["LLM", "SamplingParams"]
+
+if TYPE_CHECKING:
+    from nanoserve.llm import LLM
+    from nanoserve.sampling import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so `import nanoserve` stays cheap for tools that only need a submodule.
+    if name == "LLM":
+        from nanoserve.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from nanoserve.sampling import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(name)

@@ -1,0 +1,77 @@
+"""What every model (real Llama weights or the stub) offers the engine.
+
+The engine hands a model one flat batch per step: the new tokens of every scheduled
+sequence concatenated in row order (prefill chunks and single decode tokens side by side),
+with the cache slot each token's K/V goes to and each row's block table. The model returns
+logits only at the flat positions the engine asks for (normally each row's last token), so
+a chunked prefill that is not finished yet costs no LM-head work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """The shape of a Llama-family model (what config.json says, in our names)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """One step's work, as plain Python lists (the model moves them to its device).
+
+    T is the number of new tokens in the step, B the number of rows (sequences).
+    """
+
+    input_ids: list[int]  # [T] new tokens of all rows, concatenated in row order
+    positions: list[int]  # [T] position of each token in its own sequence
+    slot_mapping: list[int]  # [T] cache slot (block_id * block_size + offset) for its K/V
+    query_lens: list[int]  # [B] new tokens of each row this step
+    context_lens: list[int]  # [B] tokens of each row in the cache after this step
+    block_tables: list[list[int]]  # [B] the blocks each row's context lives in, in order
+    logits_indices: list[int]  # [R] flat token indices whose logits are wanted
+    # The stub's logits are a function of (seed, history); real weights ignore these two.
+    histories: list[Sequence[int]] = field(default_factory=list)  # [B] tokens incl. this step's
+    seeds: list[int] = field(default_factory=list)  # [B]
+
+
+class Model(Protocol):
+    """A causal LM over a paged KV cache that it owns."""
+
+    config: ModelConfig
+    device: torch.device
+
+    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """Allocate the KV cache for `num_blocks` blocks of `block_size` tokens."""
+        ...
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        """Bytes of KV cache one block takes (all layers, K and V)."""
+        ...
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy the KV of block `src` into block `dst` for each (src, dst) pair."""
+        ...
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run one step; returns float32 logits [R, vocab] at `batch.logits_indices`."""
+        ...

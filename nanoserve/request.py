@@ -1,0 +1,94 @@
+"""One request (one sequence) as the engine tracks it, and the updates it hands out.
+
+The engine has no prefill or decode phase: a request is a token list and a count of how
+many of them are in the KV cache (`num_computed`). Whatever is past that count is work the
+scheduler can hand out, a whole prompt, a chunk of one, or the one token sampled last step.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from nanoserve.detokenizer import IncrementalDetokenizer
+    from nanoserve.sampler import TokenLogprobs
+    from nanoserve.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.StrEnum):
+    LENGTH = "length"
+    STOP = "stop"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved: the params' max_tokens, or the rest of the context
+    seed: int  # effective sampling seed (the request's own, or derived from the engine's)
+    admission: int  # admission number, in arrival order
+    token_ids: list[int] = field(default_factory=list)  # prompt + output
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    num_cached_prompt: int = 0  # prompt tokens served by the prefix cache on admission
+    blocks: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # names of the full blocks, in order
+    status: Status = Status.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    detok: IncrementalDetokenizer | None = None
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    num_preemptions: int = 0
+    first_token_step: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_ids)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids) :]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclass(frozen=True, slots=True)
+class Update:
+    """What one step did for one request. Carries copies, never the live request."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    text: str  # text released by this step (held-back characters come later)
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    logprobs: tuple[TokenLogprobs | None, ...] = ()

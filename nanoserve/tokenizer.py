@@ -1,0 +1,116 @@
+"""The tokenizer every layer shares: a `tokenizers` BPE plus the model's chat template.
+
+Loaded from a Hugging Face style folder (tokenizer.json, and tokenizer_config.json for the
+special tokens and the chat template). The stub model uses this same tokenizer, so the
+detokenizer sees the same multi-byte fragments with the stub as with real weights.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        tok: _HFTokenizer,
+        *,
+        eos_token_ids: Sequence[int],
+        bos_token_id: int | None,
+        chat_template: str | None,
+        special_tokens: Mapping[str, str] | None = None,
+    ) -> None:
+        self._tok = tok
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.bos_token_id = bos_token_id
+        self.chat_template = chat_template
+        self._special_tokens = dict(special_tokens or {})
+        self.special_ids = frozenset(
+            i for t, i in tok.get_vocab(with_added_tokens=True).items() if self._is_special(t)
+        )
+
+    def _is_special(self, token: str) -> bool:
+        added = self._tok.get_added_tokens_decoder()
+        return any(a.content == token and a.special for a in added.values())
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> Tokenizer:
+        folder = Path(folder)
+        tok = _HFTokenizer.from_file(str(folder / "tokenizer.json"))
+        cfg: dict[str, Any] = {}
+        cfg_path = folder / "tokenizer_config.json"
+        if cfg_path.exists():
+            cfg = json.loads(cfg_path.read_text())
+        model_cfg: dict[str, Any] = {}
+        if (folder / "config.json").exists():
+            model_cfg = json.loads((folder / "config.json").read_text())
+
+        def token_id(name: str) -> int | None:
+            value = cfg.get(name)
+            if isinstance(value, dict):
+                value = value.get("content")
+            return tok.token_to_id(value) if isinstance(value, str) else None
+
+        eos = model_cfg.get("eos_token_id")
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        eos_from_tok = token_id("eos_token")
+        if eos_from_tok is not None and eos_from_tok not in eos_ids:
+            eos_ids.append(eos_from_tok)
+        bos = model_cfg.get("bos_token_id")
+        if not isinstance(bos, int):
+            bos = token_id("bos_token")
+        template = cfg.get("chat_template")
+        if template is None and (folder / "chat_template.jinja").exists():
+            template = (folder / "chat_template.jinja").read_text()
+        specials = {
+            k: (v["content"] if isinstance(v, dict) else v)
+            for k, v in cfg.items()
+            if k.endswith("_token") and isinstance(v, str | dict)
+        }
+        return cls(
+            tok,
+            eos_token_ids=eos_ids,
+            bos_token_id=bos,
+            chat_template=template,
+            special_tokens=specials,
+        )
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> str:
+        """Render `messages` with the model's (or the given) Jinja chat template."""
+        template = chat_template or self.chat_template
+        if template is None:
+            raise ValueError("this model has no chat template; pass one with --chat-template")
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(message: str) -> None:
+            raise jinja2.exceptions.TemplateError(message)
+
+        env.globals["raise_exception"] = raise_exception
+        return env.from_string(template).render(
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            **self._special_tokens,
+        )

