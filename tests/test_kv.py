@@ -58,7 +58,8 @@ def test_prefix_hit_after_the_first_request_finished() -> None:
         chain_hash(first.block_hashes[1], tokens[8:12]),
     ]
     kv.free(first)
-    assert pool.free_list() == [3, 4, 5, 6, 7, 0, 1, 2]  # named blocks evicted last
+    # Named blocks go to the back, tail first: the prompt's first block is evicted last.
+    assert pool.free_list() == [3, 4, 5, 6, 7, 2, 1, 0]
 
     second = _req("b", tokens[:12] + [7, 7, 7])
     hits = kv.find_prefix(second)

@@ -1,0 +1,52 @@
+"""`nanoserve generate | bench | serve`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from nanoserve import bench
+
+
+def _generate(a: argparse.Namespace) -> int:
+    from nanoserve.llm import LLM
+    from nanoserve.sampling import SamplingParams
+
+    llm = LLM(a.model, device=a.device, seed=a.seed)
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed)
+    prompt = a.prompt
+    if a.chat:
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": a.prompt}])
+    out = llm.generate(prompt, params)[0]
+    print(out.text)
+    print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="nanoserve")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="complete one prompt offline and print the text")
+    g.add_argument("prompt")
+    g.add_argument("--model", default="smollm2")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    b = sub.add_parser("bench", help="offline throughput on hf_peer.py's workload")
+    bench.add_args(b)
+    a = p.parse_args(argv)
+    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=logging.INFO, format=fmt)
+    if a.cmd == "generate":
+        return _generate(a)
+    if a.cmd == "bench":
+        bench.run(a)
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""The stub model: the Llama model's interface, no weights, logits in microseconds.
+
+Its logits for a row are a deterministic function of (seed, token history): a 64-bit mix of
+the seed, the history's length and its last four tokens picks the row's top token and a few
+runners-up. To emit what a real model emits, multi-byte fragments included, the top token
+usually continues a bigram table built from a small built-in text (English, CJK, emoji with
+ZWJ sequences and skin tones) tokenized with the real tokenizer, so a three-token emoji
+comes out as its three tokens in order. With probability `eos_prob` per token the top token
+is EOS, so finish=stop paths run. Everything else is -10: sampling at temperature 1 stays
+almost always on the handful of candidates, like a trained model's peaked distribution.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from nanoserve.model.base import ForwardBatch, ModelConfig
+from nanoserve.tokenizer import Tokenizer
+
+_CORPUS = (
+    "The quick brown fox jumps over the lazy dog. Paged attention keeps the KV cache in "
+    "blocks, so many sequences share one pool without fragmentation. "
+    "日本語のテキストを少し書きます。东京和北京都是大城市。한국어 문장도 있습니다. "
+    "Emoji: 😀 🎉 👍🏽 👩‍💻 👨‍👩‍👧‍👦 🇯🇵 ❤️ — café, naïve, Ærøskøbing, Straße. "
+    "def step(self):\n    return self.schedule()\n"
+)
+_MASK = (1 << 64) - 1
+_NUM_CANDIDATES = 6
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finaliser: a cheap, well-spread 64-bit hash of an int."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+class StubModel:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        eos_prob: float = 0.0,
+        max_position_embeddings: int = 8192,
+        device: str = "cpu",
+    ) -> None:
+        if not 0.0 <= eos_prob <= 1.0:
+            raise ValueError(f"stub eos_prob must be in [0, 1], got {eos_prob}")
+        eos = tokenizer.eos_token_ids
+        self.config = ModelConfig(
+            vocab_size=tokenizer.vocab_size,
+            hidden_size=0,
+            intermediate_size=0,
+            num_layers=0,
+            num_heads=0,
+            num_kv_heads=0,
+            head_dim=0,
+            rope_theta=0.0,
+            rms_norm_eps=0.0,
+            max_position_embeddings=max_position_embeddings,
+            tie_word_embeddings=True,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_ids=eos,
+        )
+        self.device = torch.device(device)
+        self.eos_prob = eos_prob
+        self._eos = eos[0] if eos else 0
+        ids = tokenizer.encode(_CORPUS)
+        # First successor wins, so the table is a function of the corpus alone.
+        self._next: dict[int, int] = {}
+        for a, b in zip(ids, ids[1:], strict=False):
+            self._next.setdefault(a, b)
+        self._vocab_pool = sorted(set(ids))
+        self._eos_cut = int(eos_prob * (1 << 32))
+        self._values = torch.tensor([10.0, 6.0, 5.0, 4.0, 3.0, 2.0])[:_NUM_CANDIDATES]
+
+    # The stub keeps no KV: these exist so it satisfies the Model protocol.
+    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        return None
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return 0
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        return None
+
+    def next_tokens(self, history: Sequence[int], seed: int) -> list[int]:
+        """The row's candidates, best first: what its logits rank highest."""
+        return self._candidates(len(history), history[-4:], seed)
+
+    def _candidates(self, length: int, tail: Sequence[int], seed: int) -> list[int]:
+        h = _mix(seed & _MASK)
+        h = _mix(h ^ length)
+        for t in tail:
+            h = _mix(h ^ (t & _MASK))
+        pool = self._vocab_pool
+        out: list[int] = []
+        if (h & 0xFFFFFFFF) < self._eos_cut:
+            out.append(self._eos)
+        last = tail[-1] if tail else -1
+        follow = self._next.get(last)
+        # Continue the corpus most of the time (so multi-byte characters complete), jump
+        # elsewhere in it otherwise (so outputs differ between histories).
+        if follow is not None and (h >> 32) % 4 != 0:
+            out.append(follow)
+        x = h
+        while len(out) < _NUM_CANDIDATES:
+            x = _mix(x)
+            t = pool[x % len(pool)]
+            if t not in out:
+                out.append(t)
+        return out[:_NUM_CANDIDATES]
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        # Map each wanted flat index to its row: rows are laid out in order.
+        ends: list[int] = []
+        acc = 0
+        for q in batch.query_lens:
+            acc += q
+            ends.append(acc)
+        rows: list[int] = []
+        r = 0
+        for idx in batch.logits_indices:
+            while ends[r] <= idx:
+                r += 1
+            rows.append(r)
+        picks: list[list[int]] = []
+        for row, idx in zip(rows, batch.logits_indices, strict=True):
+            # The history up to and including the token at `idx`.
+            upto = batch.context_lens[row] - (ends[row] - 1 - idx)
+            hist = batch.histories[row]
+            picks.append(self._candidates(upto, hist[max(0, upto - 4) : upto], batch.seeds[row]))
+        logits = torch.full((len(rows), self.config.vocab_size), -10.0)
+        cand = torch.tensor(picks, dtype=torch.long).view(len(rows), _NUM_CANDIDATES)
+        logits.scatter_(1, cand, self._values.expand(len(rows), -1))
+        return logits
