@@ -27,6 +27,15 @@ class AdmissionError(ParamError):
 
 
 @dataclass(frozen=True, slots=True)
+class Prepared:
+    """A validated request, not yet admitted."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved: the params' own, or the rest of the context
+
+
+@dataclass(frozen=True, slots=True)
 class StepResult:
     step: int
     updates: tuple[Update, ...]
@@ -104,7 +113,12 @@ class Engine:
     def add_request(
         self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
     ) -> str:
-        """Admit a request to the waiting queue, or raise ParamError naming what is wrong."""
+        """Validate and admit a request to the waiting queue, or raise ParamError."""
+        return self.admit(self.prepare(prompt, params), request_id)
+
+    def prepare(self, prompt: str | Sequence[int], params: SamplingParams) -> Prepared:
+        """Tokenize and validate, changing nothing: any task may call this while a step runs,
+        so every error that is knowable before the first token surfaces before admission."""
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         vocab = self.model.config.vocab_size
         if not prompt_ids:
@@ -114,8 +128,9 @@ class Engine:
             raise ParamError(
                 "prompt", f"prompt token id {bad} is outside the vocabulary [0, {vocab})"
             )
-        params.check_context(vocab_size=vocab, max_model_len=self.max_model_len,
-                             prompt_len=len(prompt_ids))
+        params.check_context(
+            vocab_size=vocab, max_model_len=self.max_model_len, prompt_len=len(prompt_ids)
+        )
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
             raise AdmissionError(
@@ -132,9 +147,14 @@ class Engine:
                 f"{len(prompt_ids) + max_tokens} tokens can never fit the KV pool of "
                 f"{pool_tokens} tokens (over by {len(prompt_ids) + max_tokens - pool_tokens})",
             )
+        return Prepared(prompt_ids, params, max_tokens)
+
+    def admit(self, prepared: Prepared, request_id: str | None = None) -> str:
+        """Queue a prepared request. Only the engine's single writer calls this."""
         rid = request_id if request_id is not None else f"req-{self._admitted}"
         if rid in self.requests:
             raise ParamError("request_id", f"request id {rid!r} is already in flight")
+        params = prepared.params
         # An unseeded request still gets its own stream, from (engine seed, admission
         # number): its draws then do not depend on the schedule, and a replay repeats them.
         seed = params.seed
@@ -142,14 +162,14 @@ class Engine:
             seed = _mix(self.config.seed ^ _mix(self._admitted))
         req = Request(
             request_id=rid,
-            prompt_ids=prompt_ids,
+            prompt_ids=prepared.prompt_ids,
             params=params,
-            max_tokens=max_tokens,
+            max_tokens=prepared.max_tokens,
             seed=seed,
             admission=self._admitted,
             detok=IncrementalDetokenizer(
                 self.tokenizer,
-                prompt_ids,
+                prepared.prompt_ids,
                 skip_special_tokens=params.skip_special_tokens,
                 stop=params.stop,
                 include_stop_str_in_output=params.include_stop_str_in_output,

@@ -3,60 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.model import Model, load
-from nanoserve.sampler import TokenLogprobs
+from nanoserve.outputs import OutputBuilder, RequestOutput
 from nanoserve.sampling import SamplingParams
 from nanoserve.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
-
-
-@dataclass(frozen=True, slots=True)
-class CompletionOutput:
-    index: int
-    token_ids: tuple[int, ...]
-    text: str
-    finish_reason: str | None
-    stop_reason: int | str | None = None
-    logprobs: tuple[TokenLogprobs | None, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class RequestOutput:
-    """One prompt's result; `outputs` lists its n completions in index order, and
-    `token_ids`, `text` and `finish_reason` are the first completion's (as in vLLM)."""
-
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    outputs: tuple[CompletionOutput, ...]
-    num_cached_tokens: int = 0
-
-    @property
-    def token_ids(self) -> tuple[int, ...]:
-        return self.outputs[0].token_ids
-
-    @property
-    def text(self) -> str:
-        return self.outputs[0].text
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.outputs[0].finish_reason
-
-
-@dataclass(slots=True)
-class _Acc:
-    token_ids: list[int] = field(default_factory=list)
-    text: list[str] = field(default_factory=list)
-    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    cached: int = 0
 
 
 class LLM:
@@ -98,18 +54,15 @@ class LLM:
         per = list(params) if isinstance(params, Sequence) else [params] * len(plist)
         if len(per) != len(plist):
             raise ValueError(f"{len(plist)} prompts but {len(per)} SamplingParams")
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(plist, per, strict=True)]
-        acc = {rid: _Acc() for rid in ids}
+        prepared = [self.engine.prepare(p, sp) for p, sp in zip(plist, per, strict=True)]
+        builders: dict[str, OutputBuilder] = {}
+        for prep in prepared:
+            rid = self.engine.admit(prep)
+            builders[rid] = OutputBuilder(rid, prep.prompt_ids, prep.params.n)
         while self.engine.has_unfinished():
             for u in self.engine.step().updates:
-                a = acc[u.request_id]
-                a.token_ids.extend(u.new_token_ids)
-                a.text.append(u.text)
-                a.logprobs.extend(u.logprobs)
-                if u.finished:
-                    a.finish_reason, a.stop_reason = u.finish_reason, u.stop_reason
-                    a.cached = u.num_cached_tokens
-        return [self._output(rid, p, acc[rid]) for rid, p in zip(ids, plist, strict=True)]
+                builders[u.request_id].add(u)
+        return [b.build() for b in builders.values()]
 
     def chat(
         self,
@@ -118,11 +71,3 @@ class LLM:
     ) -> RequestOutput:
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return self.generate(prompt, params)[0]
-
-    def _output(self, rid: str, prompt: Prompt, a: _Acc) -> RequestOutput:
-        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        out = CompletionOutput(
-            0, tuple(a.token_ids), "".join(a.text), a.finish_reason, a.stop_reason,
-            tuple(a.logprobs),
-        )
-        return RequestOutput(rid, tuple(prompt_ids), (out,), a.cached)

@@ -84,6 +84,7 @@ class Update:
     request_id: str
     new_token_ids: tuple[int, ...]
     text: str  # text released by this step (held-back characters come later)
+    index: int = 0  # which of the request's n completions this is
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -1,0 +1,216 @@
+"""SamplingParams: what a request asks of the sampler, validated in one place.
+
+Semantics follow vLLM and the OpenAI API, so a body that either accepts means the same
+thing here. Every check lives in `SamplingParams.__post_init__` (what can be judged from the
+params alone) or `check_context` (what needs the model and the prompt: vocabulary size and
+context length). A failure raises `ParamError`, whose `.field` names the offending field and
+whose message names the field, the value given and the range allowed, so the HTTP layer can
+turn it into a 400 without knowing anything about sampling.
+
+The dataclass is not frozen (normalisation in `__post_init__` assigns fields), but treat it
+as immutable once built: the engine shares one instance among the n children of a request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_N = 128
+MAX_LOGPROBS = 20  # the OpenAI API's cap on top alternatives per token
+MAX_STOP_STRINGS = 4  # the OpenAI API's cap
+MAX_ABS_PENALTY = 2.0
+MAX_ABS_LOGIT_BIAS = 100.0
+_DECIMAL = re.compile(r"[0-9]+")  # ASCII only: str.isdecimal() would accept "١٢"
+
+
+class ParamError(ValueError):
+    """An invalid request parameter. `.field` is its name; the message says why."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+
+def _int(name: str, value: object, lo: int | None, hi: int | None, allowed: str) -> int:
+    # bool is a subclass of int, but `"n": true` is a client bug, not a request for one.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ParamError(name, f"{name} must be an integer {allowed}, got {value!r}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise ParamError(name, f"{name} must be {allowed}, got {value!r}")
+    return value
+
+
+def _float(name: str, value: object, ok: bool | None, allowed: str) -> float:
+    """Check a number; `ok` is None to only type-check, else whether the range check passed."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ParamError(name, f"{name} must be a number {allowed}, got {value!r}")
+    if not math.isfinite(value) or ok is False:
+        raise ParamError(name, f"{name} must be {allowed}, got {value!r}")
+    return float(value)
+
+
+def _bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ParamError(name, f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def _in(value: object, lo: float, hi: float) -> bool | None:
+    # Range checks run only on real numbers; _float reports anything else as a type error.
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return lo <= value <= hi
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0  # 0 means greedy: exact argmax, no draw
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1, normalised to 0) means off
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = None  # None: whatever the context leaves
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        self.n = _int("n", self.n, 1, MAX_N, f"in [1, {MAX_N}]")
+        t = self.temperature
+        self.temperature = _float("temperature", t, _in(t, 0.0, math.inf), ">= 0")
+        p = self.top_p
+        self.top_p = _float("top_p", p, _in(p, 0.0, 1.0) and p > 0, "in (0, 1]")
+        k = _int("top_k", self.top_k, -1, None, "0 or -1 (off), or >= 1")
+        self.top_k = 0 if k == -1 else k
+        self.min_p = _float("min_p", self.min_p, _in(self.min_p, 0.0, 1.0), "in [0, 1]")
+        if self.seed is not None:
+            # Any integer: the sampler hashes it down to 64 bits (sampler.row_uniform).
+            self.seed = _int("seed", self.seed, None, None, "(or null)")
+        if self.max_tokens is not None:
+            self.max_tokens = _int("max_tokens", self.max_tokens, 1, None, ">= 1 (or null)")
+        hi = self.max_tokens
+        self.min_tokens = _int(
+            "min_tokens",
+            self.min_tokens,
+            0,
+            hi,
+            ">= 0" if hi is None else f"in [0, max_tokens={hi}]",
+        )
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            setattr(self, name, _bool(name, getattr(self, name)))
+        self.stop_token_ids = _token_ids(self.stop_token_ids)
+        self.stop = _stop_strings(self.stop)
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            m = MAX_ABS_PENALTY
+            setattr(self, name, _float(name, v, _in(v, -m, m), f"in [{-m}, {m}]"))
+        rp = self.repetition_penalty
+        self.repetition_penalty = _float(
+            "repetition_penalty", rp, _in(rp, 0.0, math.inf) and rp > 0, "> 0"
+        )
+        self.logit_bias = _logit_bias(self.logit_bias)
+        if self.logprobs is not None:
+            self.logprobs = _int(
+                "logprobs", self.logprobs, 0, MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}] (or null)"
+            )
+
+    def check_context(self, *, vocab_size: int, max_model_len: int, prompt_len: int) -> None:
+        """Checks that need the model and the prompt; raises ParamError naming the field."""
+        for tok in self.logit_bias:
+            if tok >= vocab_size:
+                raise ParamError(
+                    "logit_bias",
+                    f"logit_bias token id {tok} is outside the vocabulary [0, {vocab_size})",
+                )
+        for tok in self.stop_token_ids:
+            if tok >= vocab_size:
+                raise ParamError(
+                    "stop_token_ids",
+                    f"stop_token_ids token id {tok} is outside the vocabulary [0, {vocab_size})",
+                )
+        if self.max_tokens is not None and prompt_len + self.max_tokens > max_model_len:
+            over = prompt_len + self.max_tokens - max_model_len
+            raise ParamError(
+                "max_tokens",
+                f"prompt ({prompt_len} tokens) + max_tokens ({self.max_tokens}) exceeds "
+                f"max_model_len {max_model_len} by {over}",
+            )
+
+    def child(self, i: int) -> SamplingParams:
+        """The params of the i-th of this request's n completions: n=1, and seed+i when seeded,
+        so the children differ from each other but each is reproducible on its own."""
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.n:
+            raise IndexError(f"child index {i!r} outside [0, {self.n})")
+        seed = None if self.seed is None else self.seed + i
+        return dataclasses.replace(self, n=1, seed=seed)
+
+
+def _token_ids(value: object) -> tuple[int, ...]:
+    # A str is a Sequence too; "123" is not a list of token ids.
+    if isinstance(value, str | bytes) or not isinstance(value, list | tuple):
+        raise ParamError(
+            "stop_token_ids", f"stop_token_ids must be a list of token ids, got {value!r}"
+        )
+    for v in value:
+        _int("stop_token_ids", v, 0, None, ">= 0 (each token id)")
+    return tuple(value)
+
+
+def _stop_strings(value: object) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    items = (value,) if isinstance(value, str) else value
+    if not isinstance(items, list | tuple) or not all(isinstance(s, str) for s in items):
+        raise ParamError("stop", f"stop must be a string or a list of strings, got {value!r}")
+    if len(items) > MAX_STOP_STRINGS:
+        raise ParamError(
+            "stop", f"stop allows at most {MAX_STOP_STRINGS} strings, got {len(items)}"
+        )
+    if any(s == "" for s in items):
+        raise ParamError("stop", f"stop strings must be non-empty, got {value!r}")
+    return tuple(items)
+
+
+def _logit_bias(value: object) -> dict[int, float]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ParamError(
+            "logit_bias", f"logit_bias must be a map of token id to bias, got {value!r}"
+        )
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        tok = _bias_key(key)
+        if tok in out:  # {"5": 1, 5: 2}: which one was meant?
+            raise ParamError("logit_bias", f"logit_bias has token id {tok} twice")
+        m = MAX_ABS_LOGIT_BIAS
+        out[tok] = _float(
+            "logit_bias", bias, _in(bias, -m, m), f"in [{-m}, {m}] (bias of token {tok})"
+        )
+    return out
+
+
+def _bias_key(key: Any) -> int:
+    # The OpenAI API sends JSON object keys, hence strings; Python callers send ints.
+    if isinstance(key, str) and _DECIMAL.fullmatch(key):
+        return int(key)
+    if isinstance(key, int) and not isinstance(key, bool) and key >= 0:
+        return key
+    raise ParamError(
+        "logit_bias", f"logit_bias keys must be token ids >= 0 (int or decimal string), got {key!r}"
+    )
