@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from nanoserve.config import ConfigError, EngineConfig
 from nanoserve.detokenizer import IncrementalDetokenizer
 from nanoserve.kv import BlockPool, KVManager
@@ -99,7 +101,9 @@ class Engine:
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
         self.eos_token_ids = tuple(model.config.eos_token_ids)
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}  # live requests by their own id
+        self._groups: dict[str, list[Request]] = {}  # caller's id -> its live completions
+        self._group_params: dict[str, SamplingParams] = {}
         self.num_steps = 0
         self._admitted = 0
         self._prefill_tokens = 0
@@ -152,9 +156,12 @@ class Engine:
     def admit(self, prepared: Prepared, request_id: str | None = None) -> str:
         """Queue a prepared request. Only the engine's single writer calls this."""
         rid = request_id if request_id is not None else f"req-{self._admitted}"
-        if rid in self.requests:
+        if rid in self._groups:
             raise ParamError("request_id", f"request id {rid!r} is already in flight")
         params = prepared.params
+        n = params.n
+        if n > 1:
+            params = params.child(0)
         # An unseeded request still gets its own stream, from (engine seed, admission
         # number): its draws then do not depend on the schedule, and a replay repeats them.
         seed = params.seed
@@ -167,29 +174,108 @@ class Engine:
             max_tokens=prepared.max_tokens,
             seed=seed,
             admission=self._admitted,
-            detok=IncrementalDetokenizer(
-                self.tokenizer,
-                prepared.prompt_ids,
-                skip_special_tokens=params.skip_special_tokens,
-                stop=params.stop,
-                include_stop_str_in_output=params.include_stop_str_in_output,
-            ),
+            detok=self._detokenizer(prepared.prompt_ids, params),
+            pending_children=n - 1,
         )
         self._admitted += 1
         self.requests[rid] = req
+        self._groups[rid] = [req]
+        self._group_params[rid] = prepared.params
         self.scheduler.add(req)
         return rid
 
-    def abort_request(self, request_id: str) -> Update | None:
-        """End a request now (client gone). Returns its final update, or None if unknown."""
-        req = self.requests.get(request_id)
-        if req is None:
-            return None
+    def _detokenizer(
+        self, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(
+            self.tokenizer,
+            prompt_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+        )
+
+    def _fork(self, parent: Request) -> list[Request]:
+        """Make the n - 1 siblings of a request whose prompt was just computed.
+
+        Each sibling holds a reference on the parent's full prompt blocks (computed once,
+        held once) and gets its own copy of the partial last block, which it will write
+        into. If the pool has no block for a copy, the sibling waits at the front of the
+        queue instead and is prefilled later, mostly from the prefix cache.
+        """
+        bs = self.pool.block_size
+        full = parent.num_computed // bs
+        shared = parent.blocks[:full]
+        partial = parent.blocks[full:]
+        children: list[Request] = []
+        group_params = self._group_params[parent.group]
+        for i in range(1, parent.pending_children + 1):
+            params = group_params.child(i)  # seed + i when seeded
+            seed = params.seed if params.seed is not None else _mix(parent.seed ^ _mix(i))
+            child = Request(
+                request_id=f"{parent.group}#{i}",
+                prompt_ids=parent.prompt_ids,
+                params=params,
+                max_tokens=parent.max_tokens,
+                seed=seed,
+                admission=parent.admission,
+                detok=self._detokenizer(parent.prompt_ids, params),
+                group=parent.group,
+                index=i,
+                num_cached_prompt=parent.num_cached_prompt,
+            )
+            self.requests[child.request_id] = child
+            self._groups[parent.group].append(child)
+            if self.pool.can_allocate(len(partial)):
+                self.pool.acquire(shared)
+                copies = self.pool.allocate(len(partial))
+                self.model.copy_blocks(list(zip(partial, copies, strict=True)))
+                child.blocks = shared + copies
+                child.block_hashes = list(parent.block_hashes)
+                child.num_computed = parent.num_computed
+                self.scheduler.add_running(child)
+                children.append(child)
+            else:
+                self.scheduler.waiting.appendleft(child)
+        parent.pending_children = 0
+        return children
+
+    def abort_request(self, request_id: str) -> list[Update]:
+        """End a request (all its completions) now: the client is gone. Returns the final
+        updates, one per completion not yet finished; none if the id is unknown."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return []
         self._aborted += 1
-        return self._finish(req, FinishReason.ABORT, new_tokens=())
+        out: list[Update] = []
+        for req in list(group):
+            out += self._finish_all(req, FinishReason.ABORT)
+        return out
+
+    def _finish_all(
+        self, req: Request, reason: FinishReason, error: str | None = None
+    ) -> list[Update]:
+        """Finish `req` and the completions it has not forked yet (they end with it)."""
+        pending = req.pending_children
+        req.pending_children = 0
+        out = [self._finish(req, reason, (), error=error)]
+        out += [
+            Update(
+                req.group,
+                (),
+                "",
+                index=i,
+                finished=True,
+                finish_reason=reason.value,
+                error=error,
+                num_prompt_tokens=req.num_prompt,
+            )
+            for i in range(1, pending + 1)
+        ]
+        return out
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        return bool(self._groups)
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -200,19 +286,40 @@ class Engine:
             return StepResult(self.num_steps, (), self._ids(schedule.preempted), 0, 0)
         batch, samplers = self._build_batch(schedule)
         try:
-            logits = self.model.forward(batch)
-            rows = [
-                SamplingRow(r.params, r.seed, r.num_output, r.prompt_ids, r.output_ids)
-                for r in samplers
-            ]
-            drawn = sample(logits, rows, self.eos_token_ids)
+            logits = self.model.forward(batch)  # [len(samplers), vocab]
+            prefill, decode = self._advance(schedule)
+            rows = self._fork_rows(samplers)
+            if len(rows) > len(samplers):
+                logits = logits[torch.tensor([i for i, _ in rows], device=logits.device)]
+            reqs = [r for _, r in rows]
+            drawn = sample(
+                logits,
+                [
+                    SamplingRow(r.params, r.seed, r.num_output, r.prompt_ids, r.output_ids)
+                    for r in reqs
+                ],
+                self.eos_token_ids,
+            )
         except Exception as exc:  # a broken step fails its own requests, not the engine
-            self._failed += len(schedule.scheduled)
+            failed = {s.request.group for s in schedule.scheduled}
+            self._failed += len(failed)
             updates = tuple(
-                self._finish(s.request, FinishReason.ERROR, (), error=f"step failed: {exc!r}")
-                for s in schedule.scheduled
+                u
+                for g in failed
+                for r in list(self._groups.get(g, ()))
+                for u in self._finish_all(r, FinishReason.ERROR, f"step failed: {exc!r}")
             )
             return StepResult(self.num_steps, updates, self._ids(schedule.preempted), 0, 0)
+        self._prefill_tokens += prefill
+        self._decode_tokens += decode
+        done = tuple(
+            self._update(req, tok, lp)
+            for req, tok, lp in zip(reqs, drawn.token_ids, drawn.logprobs, strict=True)
+        )
+        return StepResult(self.num_steps, done, self._ids(schedule.preempted), prefill, decode)
+
+    def _advance(self, schedule: Schedule) -> tuple[int, int]:
+        """Count the step's tokens as computed and name the blocks they filled."""
         prefill = decode = 0
         for s in schedule.scheduled:
             req = s.request
@@ -222,15 +329,17 @@ class Engine:
                 prefill += s.num_tokens
             req.num_computed += s.num_tokens
             self.kv.commit(req)
-        self._prefill_tokens += prefill
-        self._decode_tokens += decode
-        done = tuple(
-            self._update(req, tok, lp)
-            for req, tok, lp in zip(samplers, drawn.token_ids, drawn.logprobs, strict=True)
-        )
-        return StepResult(
-            self.num_steps, done, self._ids(schedule.preempted), prefill, decode
-        )
+        return prefill, decode
+
+    def _fork_rows(self, samplers: list[Request]) -> list[tuple[int, Request]]:
+        """(logits row, request) for every draw this step: a request that has just computed
+        its prompt and wants n completions brings its forked siblings, which draw their
+        first token from its logits row."""
+        rows = [(i, r) for i, r in enumerate(samplers)]
+        for i, r in enumerate(samplers):
+            if r.pending_children:
+                rows += [(i, c) for c in self._fork(r) if c.num_computed]
+        return rows
 
     def _build_batch(self, schedule: Schedule) -> tuple[ForwardBatch, list[Request]]:
         bs = self.pool.block_size
@@ -247,7 +356,10 @@ class Engine:
             b.context_lens.append(end)
             b.block_tables.append(blocks)
             b.histories.append(req.token_ids)
-            b.seeds.append(req.params.seed if req.params.seed is not None else 0)
+            # The stub's logits follow the caller's seed: all n completions of a request
+            # see the same model, as they would with real weights.
+            group_seed = self._group_params[req.group].seed
+            b.seeds.append(group_seed if group_seed is not None else 0)
             if s.samples:
                 b.logits_indices.append(len(b.input_ids) - 1)
                 samplers.append(req)
@@ -275,9 +387,10 @@ class Engine:
         if req.num_output >= req.max_tokens:
             return self._finish(req, FinishReason.LENGTH, (token,))
         return Update(
-            req.request_id,
+            req.group,
             (token,),
             req.detok.pop_delta(),
+            index=req.index,
             num_prompt_tokens=req.num_prompt,
             num_output_tokens=req.num_output,
             num_cached_tokens=req.num_cached_prompt,
@@ -299,6 +412,11 @@ class Engine:
         req.stop_reason = stop_reason
         req.error = error
         del self.requests[req.request_id]
+        group = self._groups[req.group]
+        group.remove(req)
+        if not group:
+            del self._groups[req.group]
+            del self._group_params[req.group]
         if reason is not FinishReason.ERROR and reason is not FinishReason.ABORT:
             self._finished += 1
         text = ""
@@ -308,9 +426,10 @@ class Engine:
             except Exception:  # the request is already failing; keep its error
                 text = ""
         return Update(
-            req.request_id,
+            req.group,
             new_tokens,
             text,
+            index=req.index,
             finished=True,
             finish_reason=reason.value,
             stop_reason=stop_reason,

@@ -32,7 +32,7 @@ class FinishReason(enum.StrEnum):
 
 @dataclass(slots=True, eq=False)
 class Request:
-    request_id: str
+    request_id: str  # unique inside the engine: the group's id, plus "#i" for child i > 0
     prompt_ids: list[int]
     params: SamplingParams
     max_tokens: int  # resolved: the params' max_tokens, or the rest of the context
@@ -51,10 +51,17 @@ class Request:
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     num_preemptions: int = 0
     first_token_step: int | None = None
+    group: str = ""  # the id the caller knows; all n completions of a prompt share it
+    index: int = 0  # which of the n completions this is
+    # Completions not yet forked from this one: they come into being, sharing its prompt
+    # blocks, at the step that computes its last prompt token.
+    pending_children: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_ids)
+        if not self.group:
+            self.group = self.request_id
 
     @property
     def num_prompt(self) -> int:

@@ -53,6 +53,11 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
+    def add_running(self, req: Request) -> None:
+        """A request that enters already computed (a forked sibling)."""
+        req.status = Status.RUNNING
+        self.running.append(req)
+
     def remove(self, req: Request) -> None:
         """Take a request out of the queues and give its blocks back (finish or abort)."""
         if req.status is Status.RUNNING:
