@@ -1,0 +1,403 @@
+"""AsyncEngine: the Trio bridge between many request tasks and one synchronous engine.
+
+One loop task is the engine's only writer. Callers never touch the engine: `stream()` and
+`generate()` validate at once (so bad input is an error before anything is queued), then put
+the request in an inbox; `abort_nowait()` puts an abort there. The loop applies the inbox
+only at step boundaries, aborts first in their requests' arrival order, then arrivals in
+arrival order, so the sequence of steps depends on the order of events and never on which
+Trio task happened to run first. Every request gets its own unbounded channel: the loop hands
+over each update with `send_nowait` and never waits for a reader, so a slow reader cannot
+slow the batch. A reader that stops (closes its stream, is cancelled, drops it) is a stopped
+request: its abort is a synchronous call, because any await in a cancelled `finally` would be
+cancelled again (DESIGN.md pitfalls).
+
+Nothing is lost silently: every request the bridge accepts ends with a final update for each
+of its completions, the engine's own (length, stop, abort, a step's error) or one the bridge
+writes (aborted before admission, admission failed, the loop failed, the bridge closed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from types import TracebackType
+
+import trio
+
+from nanoserve.clock import Clock
+from nanoserve.engine import Engine, Prepared, StepResult
+from nanoserve.outputs import OutputBuilder, RequestOutput
+from nanoserve.request import FinishReason, Update
+from nanoserve.sampling import ParamError, SamplingParams
+
+log = logging.getLogger(__name__)
+
+Prompt = str | Sequence[int]
+StepListener = Callable[[StepResult], None]
+
+
+class EngineDeadError(RuntimeError):
+    """The bridge takes no more requests: its loop failed, or it was closed."""
+
+
+@dataclass(frozen=True, slots=True)
+class BridgeStats:
+    steps: int  # engine steps run
+    queued: int  # arrivals waiting for the next step boundary
+    running: int
+    waiting: int
+    in_flight: int  # accepted requests that have not ended (queued ones included)
+    num_blocks: int
+    free_blocks: int
+    admitted: int
+    completed: int  # requests whose every completion has ended, for any reason
+    aborted: int  # requests the bridge aborted: hang-ups, cancellations, abort_nowait, close
+    failed: int  # requests with a completion that ended in error
+    preemptions: int
+    healthy: bool
+
+
+@dataclass(slots=True, eq=False)
+class _Entry:
+    """One request as the bridge sees it, from acceptance to its last final update."""
+
+    request_id: str
+    seq: int  # arrival number: the canonical order of admissions and aborts
+    prepared: Prepared
+    send: trio.MemorySendChannel[Update]
+    admitted: bool = False
+    ended: bool = False
+    done: set[int] = field(default_factory=set)  # completion indices that have ended
+    errored: bool = False
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, clock: Clock) -> None:
+        self._engine = engine
+        self._clock = clock
+        self._entries: dict[str, _Entry] = {}
+        self._inbox: deque[_Entry] = deque()
+        self._aborts: set[str] = set()
+        self._listeners: list[StepListener] = []
+        self._wakeup = trio.Event()  # set by arrivals; reset at the boundary that takes them
+        self._went_idle = trio.Event()  # set each time the loop runs out of work
+        self._loop_idle = False
+        self._dead: str | None = None
+        self._arrivals = 0
+        self._admitted = self._completed = self._aborted = self._failed = 0
+        # Read only in the loop task between steps: a live step's thread may be mutating the
+        # engine while another task asks for statistics.
+        self._snapshot = engine.statistics()
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, engine: Engine, clock: Clock) -> AsyncIterator[AsyncEngine]:
+        self = cls(engine, clock)
+        body_error: BaseException | None = None
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._loop)
+                try:
+                    yield self
+                except BaseException as exc:  # re-raised below, not wrapped in a group
+                    body_error = exc
+                finally:
+                    nursery.cancel_scope.cancel()
+        finally:
+            self._shutdown()
+        if body_error is not None:
+            raise body_error
+
+    # -- the caller's side -----------------------------------------------------------------
+
+    def prepare(self, prompt: Prompt, params: SamplingParams | None = None) -> Prepared:
+        """Tokenize and validate (raises ParamError) without queueing anything."""
+        self._check_alive()
+        return self._engine.prepare(prompt, params if params is not None else SamplingParams())
+
+    def stream(
+        self,
+        prompt: Prompt | Prepared,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> RequestStream:
+        """Queue a request now and return its updates. Raises here, before any iteration,
+        if the request is invalid or the bridge is dead."""
+        self._check_alive()
+        if isinstance(prompt, Prepared):
+            if params is not None:
+                raise TypeError("params must be None when the prompt is already Prepared")
+            prepared = prompt
+        else:
+            prepared = self.prepare(prompt, params)
+        rid = self._new_id(request_id)
+        send, recv = trio.open_memory_channel[Update](math.inf)
+        entry = _Entry(rid, self._arrivals, prepared, send)
+        self._arrivals += 1
+        self._entries[rid] = entry
+        self._inbox.append(entry)
+        self._wakeup.set()
+        return RequestStream(self, rid, prepared.prompt_ids, prepared.params.n, recv)
+
+    async def generate(
+        self,
+        prompt: Prompt | Prepared,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> RequestOutput:
+        """Run one request to its end; cancelling this aborts it at the next boundary."""
+        stream = self.stream(prompt, params, request_id)
+        builder = OutputBuilder(stream.request_id, stream.prompt_ids, stream.n)
+        async with stream:
+            async for update in stream:
+                builder.add(update)
+        return builder.build()
+
+    def abort_nowait(self, request_id: str) -> None:
+        """Abort at the next step boundary; a request that has already ended is left alone."""
+        if request_id in self._entries:
+            self._aborts.add(request_id)
+
+    def add_step_listener(self, fn: StepListener) -> None:
+        """Call fn(result) in the loop task after each step's updates are delivered."""
+        self._listeners.append(fn)
+
+    @property
+    def healthy(self) -> bool:
+        return self._dead is None
+
+    def statistics(self) -> BridgeStats:
+        s = self._snapshot
+        return BridgeStats(
+            steps=s.steps, queued=len(self._inbox), running=s.running, waiting=s.waiting,
+            in_flight=len(self._entries), num_blocks=s.num_blocks, free_blocks=s.free_blocks,
+            admitted=self._admitted, completed=self._completed, aborted=self._aborted,
+            failed=self._failed, preemptions=s.preemptions, healthy=self.healthy,
+        )
+
+    async def wait_idle(self) -> None:
+        """Return once the loop has run out of work: no arrival queued, no request running."""
+        await trio.lowlevel.checkpoint()
+        while not (self._loop_idle and not self._inbox):
+            self._check_alive()
+            await self._went_idle.wait()
+        self._check_alive()
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+
+    def _new_id(self, request_id: str | None) -> str:
+        if request_id is None:
+            request_id = f"req-{self._arrivals}"
+            while request_id in self._entries:  # a caller gave its own request this name
+                request_id += "'"
+        elif not isinstance(request_id, str) or not request_id:
+            raise ParamError("request_id", f"request_id must be a non-empty string, got "
+                             f"{request_id!r}")
+        elif request_id in self._entries:
+            raise ParamError("request_id", f"request id {request_id!r} is already in flight")
+        return request_id
+
+    # -- the loop task: the engine's single writer -----------------------------------------
+
+    async def _loop(self) -> None:
+        try:
+            while True:
+                if not (self._inbox or self._engine.has_unfinished()):
+                    await self._idle()
+                    continue
+                await self._clock.wait_turn()
+                self._boundary()
+                if self._engine.has_unfinished():  # the boundary may have aborted everything
+                    self._deliver(await self._clock.run_step(self._engine.step))
+        except Exception as exc:  # Cancelled is a BaseException and passes through
+            log.exception("AsyncEngine loop failed")
+            self._fail_all(f"engine loop failed after step {self._engine.num_steps}: {exc!r}")
+
+    async def _idle(self) -> None:
+        self._aborts.clear()  # with nothing queued or running, every abort target has ended
+        self._loop_idle = True
+        self._went_idle.set()
+        try:
+            await self._wakeup.wait()
+        finally:
+            self._loop_idle = False
+        self._went_idle = trio.Event()
+
+    def _boundary(self) -> None:
+        if self._wakeup.is_set():
+            self._wakeup = trio.Event()  # this boundary takes every arrival so far
+        # Aborts in their requests' arrival order, not the order of the abort calls (which
+        # follows task scheduling): freed blocks then return to the pool in a canonical order.
+        targets = sorted(
+            (e for rid in self._aborts if (e := self._entries.get(rid)) is not None),
+            key=lambda e: e.seq,
+        )
+        self._aborts.clear()
+        for entry in targets:
+            self._abort(entry, None)
+        while self._inbox:
+            entry = self._inbox.popleft()
+            if entry.ended:  # aborted before it was admitted
+                continue
+            try:
+                self._engine.admit(entry.prepared, entry.request_id)
+            except Exception as exc:  # fails this request, not the loop
+                self._end(entry, FinishReason.ERROR, f"admission failed: {exc!r}")
+                continue
+            entry.admitted = True
+            self._admitted += 1
+        self._snapshot = self._engine.statistics()
+
+    def _deliver(self, result: StepResult) -> None:
+        for update in result.updates:
+            self._route(update)
+        if not self._engine.has_unfinished():
+            # The engine holds nothing, so every admitted request has ended; one whose final
+            # update never came would leave its reader waiting forever.
+            for entry in [e for e in self._entries.values() if e.admitted]:
+                self._end(entry, FinishReason.ERROR, "the engine dropped the request without "
+                          "a final update")
+        self._snapshot = self._engine.statistics()
+        for fn in self._listeners:
+            try:
+                fn(result)
+            except Exception:  # a metrics bug must not stop serving
+                log.exception("step listener %r failed", fn)
+
+    def _route(self, update: Update) -> None:
+        entry = self._entries.get(update.request_id)
+        if entry is None or update.index in entry.done:
+            log.warning("dropping an update for a request that has ended: %r", update)
+            return
+        with contextlib.suppress(trio.BrokenResourceError):  # the reader has gone
+            entry.send.send_nowait(update)
+        if update.finished:
+            entry.done.add(update.index)
+            entry.errored |= update.finish_reason == FinishReason.ERROR
+            if len(entry.done) >= entry.prepared.params.n:
+                self._close(entry)
+
+    def _abort(self, entry: _Entry, why: str | None) -> None:
+        self._aborted += 1
+        if entry.admitted:
+            for final in self._engine.abort_request(entry.request_id):
+                self._route(dataclasses.replace(final, error=why))
+        self._end(entry, FinishReason.ABORT, why)  # completions the engine did not end
+
+    def _end(self, entry: _Entry, reason: FinishReason, error: str | None) -> None:
+        """Write the final update of every completion of `entry` that has not ended."""
+        for index in range(entry.prepared.params.n):
+            if not entry.ended and index not in entry.done:
+                self._route(Update(
+                    entry.request_id, (), "", index=index, finished=True,
+                    finish_reason=reason.value, error=error,
+                    num_prompt_tokens=len(entry.prepared.prompt_ids),
+                ))
+
+    def _close(self, entry: _Entry) -> None:
+        entry.ended = True
+        del self._entries[entry.request_id]
+        entry.send.close()
+        self._completed += 1
+        self._failed += entry.errored
+
+    def _fail_all(self, reason: str) -> None:
+        """The loop is gone: end everything in flight with an error naming why."""
+        self._dead = reason
+        for entry in sorted(self._entries.values(), key=lambda e: e.seq):
+            self._end(entry, FinishReason.ERROR, reason)
+        self._inbox.clear()
+        self._aborts.clear()
+        self._went_idle.set()  # wake wait_idle() callers, who then raise EngineDeadError
+
+    def _shutdown(self) -> None:
+        """After the loop has stopped: abort what is in flight so its blocks return."""
+        if self._dead is not None:  # the engine failed mid-step: leave its state alone
+            return
+        for entry in sorted(self._entries.values(), key=lambda e: e.seq):
+            self._abort(entry, "the engine was shut down")
+        self._dead = "the AsyncEngine is closed"
+        self._snapshot = self._engine.statistics()
+        self._inbox.clear()
+        self._went_idle.set()
+
+
+class RequestStream:
+    """One request's updates, in order; iteration ends after every completion has ended.
+
+    Closing it earlier (`aclose()`, leaving `async with`, cancellation while waiting for the
+    next update, or dropping it after `break`) aborts the request at the next boundary."""
+
+    def __init__(
+        self,
+        bridge: AsyncEngine,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        n: int,
+        recv: trio.MemoryReceiveChannel[Update],
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_ids = tuple(prompt_ids)
+        self.n = n
+        self._bridge = bridge
+        self._recv = recv
+        self._done: set[int] = set()
+        self._closed = False
+        self._token = trio.lowlevel.current_trio_token()
+
+    @property
+    def finished(self) -> bool:
+        return len(self._done) >= self.n
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Update:
+        if self._closed or self.finished:
+            raise StopAsyncIteration
+        try:
+            update = await self._recv.receive()
+        except BaseException:  # cancelled (or interrupted) while waiting: a stopped reader
+            self.close()
+            raise
+        if update.finished:
+            self._done.add(update.index)
+        return update
+
+    def close(self) -> None:
+        """Stop reading; synchronous, so it is safe in a cancelled `finally`."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self.finished:
+            self._bridge.abort_nowait(self.request_id)
+        self._recv.close()
+
+    async def aclose(self) -> None:
+        self.close()
+        await trio.lowlevel.checkpoint()
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()  # no await: this often runs in a cancelled scope
+
+    def __del__(self) -> None:
+        # `break` out of `async for` drops a stream without closing it (PEP 533 never
+        # landed). The collector may run in any thread (a live step's, say), so the abort
+        # goes through Trio's thread-safe queue; after the run has ended there is no one to
+        # tell, and nothing left to abort.
+        with contextlib.suppress(Exception):
+            if not self._closed and not self.finished:
+                self._token.run_sync_soon(self._bridge.abort_nowait, self.request_id)
