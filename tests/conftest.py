@@ -1,0 +1,39 @@
+"""Shared fixtures. The real weights are loaded once per session, and only by tests that ask.
+
+`smollm2_folder` converts the embedded GGUF on first use per machine (about 25 s, then
+cached under NANOSERVE_CACHE or ~/.cache/nanoserve); `hf_reference` loads the oracle through
+transformers' own GGUF reader (about 25 s) and only for tests that compare against it live.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from nanoserve.model.llama import LlamaModel
+from nanoserve.model.loader import embedded_gguf_path, resolve_model
+
+
+@pytest.fixture(scope="session")
+def smollm2_folder() -> Path:
+    return resolve_model("smollm2")
+
+
+@pytest.fixture(scope="session")
+def smollm2_model(smollm2_folder: Path) -> LlamaModel:
+    return LlamaModel.from_folder(smollm2_folder, device="cpu", dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def hf_reference() -> Any:
+    """transformers' LlamaForCausalLM from the GGUF file itself, never from our state dict."""
+    from transformers import AutoModelForCausalLM
+
+    gguf = embedded_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    return model.eval()
