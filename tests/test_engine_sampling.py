@@ -81,11 +81,18 @@ def _invariance_cases(model: Model, tok: Tokenizer, prompt: list[int]) -> None:
     # After a forced preemption: a pool too small for everyone at once.
     e = Engine(model, tok, EngineConfig(block_size=4, num_blocks=24, max_model_len=96,
                                         max_num_batched_tokens=64))
-    e.add_request(prompt, SEEDED, "t")
-    for i in range(4):
-        e.add_request(prompt[: 10 + i], _neighbours(i + 1), f"n{i}")
-    out = _run(e)
-    assert e.statistics().preemptions > 0
+    long_tail = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True)
+    for i in range(4):  # 4 x ~45 tokens beside the target's ~25: more than 96 slots
+        e.add_request([*prompt[:5], 400 + i], long_tail, f"n{i}")
+    e.add_request(prompt, SEEDED, "t")  # admitted last, so preempted first
+    out = {}
+    preempted: list[str] = []
+    while e.has_unfinished():
+        r = e.step()
+        preempted += r.preempted
+        for u in r.updates:
+            out.setdefault((u.request_id, u.index), []).extend(u.new_token_ids)
+    assert "t" in preempted
     assert out[("t", 0)] == alone
     assert e.pool.num_free == 24
 

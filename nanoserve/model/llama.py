@@ -29,18 +29,19 @@ from nanoserve.model.loader import load_model_config
 @dataclass(slots=True)
 class _Layer:
     attn_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(H + 2 KV) * D, hidden]: q, k and v projections fused
-    o: torch.Tensor  # [hidden, H * D]
+    qkv: torch.Tensor  # [hidden, (H + 2 KV) * D]: q, k and v projections fused, transposed
+    o: torch.Tensor  # [H * D, hidden]
     mlp_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 I, hidden]: gate and up projections fused
-    down: torch.Tensor  # [hidden, I]
+    gate_up: torch.Tensor  # [hidden, 2 I]: gate and up projections fused, transposed
+    down: torch.Tensor  # [I, hidden]
 
 
 @dataclass(slots=True)
 class _Prefill:
     start: int  # first flat token index of the row
     end: int
-    slots: torch.Tensor  # [ctx] cache slot of each context position
+    blocks: torch.Tensor  # [nb] the row's blocks covering its context, in order
+    ctx: int  # context length after this step
     # [q, ctx] bool, True where query i may attend to position j; None for a first chunk
     # (q == ctx), where plain causal attention lets the kernel skip the upper triangle.
     mask: torch.Tensor | None
@@ -56,9 +57,18 @@ class _Plan:
     sin: torch.Tensor  # [T, 1, D]
     logits_indices: torch.Tensor  # [R]
     decode_tokens: torch.Tensor | None  # [Bd] flat token index of each decode row
-    decode_slots: torch.Tensor | None  # [Bd, S] cache slots, padded past each row's length
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, S] bool
+    decode_blocks: torch.Tensor | None  # [Bd, W] block tables, padded to the longest row
+    decode_mask: torch.Tensor | None  # [Bd, 1, 1, W * block_size] bool
     prefills: list[_Prefill]
+    # Gather buffers reused by every layer: fresh ones each layer cost page faults that
+    # took longer than the copy itself.
+    k_buf: torch.Tensor | None = None  # [Bd * W, bs * KV * D]
+    v_buf: torch.Tensor | None = None
+
+
+def _t(w: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> [in, out], contiguous."""
+    return w.t().contiguous()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -99,13 +109,17 @@ class LlamaModel:
         self.layers: list[_Layer] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
+            # Projections are stored transposed, [in, out] and contiguous: `h @ W` then beats
+            # `F.linear(h, W)` by 20-40% at decode batch sizes on this CPU (measured with
+            # M = 1 and 32 rows); at prefill sizes the two are the same.
             self.layers.append(_Layer(
                 attn_norm=w(p + "input_layernorm.weight"),
-                qkv=torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
-                o=w(p + "self_attn.o_proj.weight"),
+                qkv=_t(torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"])),
+                o=_t(w(p + "self_attn.o_proj.weight")),
                 mlp_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
-                down=w(p + "mlp.down_proj.weight"),
+                gate_up=_t(torch.cat([w(p + "mlp.gate_proj.weight"),
+                                      w(p + "mlp.up_proj.weight")])),
+                down=_t(w(p + "mlp.down_proj.weight")),
             ))
         # RoPE angles for every position, once: pos * theta^(-2i/D) in float32 (the product
         # is exact to one rounding, as in the reference), duplicated for rotate_half.
@@ -177,14 +191,13 @@ class LlamaModel:
         for q in b.query_lens:
             starts.append(starts[-1] + q)
         decode_rows = [r for r, q in enumerate(b.query_lens) if q == 1]
-        decode_tokens = decode_slots = decode_mask = None
+        decode_tokens = decode_blocks = decode_mask = None
         if decode_rows:
             ctx_lens = [b.context_lens[r] for r in decode_rows]
             width = -(-max(ctx_lens) // bs)  # blocks in the longest decode row
             # Pad with block 0: any real block will do, the mask hides it.
-            tables = tensor([(b.block_tables[r] + [0] * width)[:width] for r in decode_rows])
-            j = torch.arange(max(ctx_lens), device=dev)  # [S] context position
-            decode_slots = tables[:, j // bs] * bs + j % bs  # [Bd, S]
+            decode_blocks = tensor([(b.block_tables[r] + [0] * width)[:width] for r in decode_rows])
+            j = torch.arange(width * bs, device=dev)  # [W * bs] context position
             decode_mask = (j < tensor(ctx_lens)[:, None])[:, None, None, :]
             decode_tokens = tensor([starts[r] for r in decode_rows])
         prefills = []
@@ -193,10 +206,10 @@ class LlamaModel:
                 continue
             ctx = b.context_lens[r]
             j = torch.arange(ctx, device=dev)
-            slots = tensor(b.block_tables[r])[j // bs] * bs + j % bs  # [ctx]
+            blocks = tensor(b.block_tables[r][: -(-ctx // bs)])
             # Query i sits at position ctx - q + i and sees positions 0 ..= that.
             mask = None if q == ctx else j <= torch.arange(ctx - q, ctx, device=dev)[:, None]
-            prefills.append(_Prefill(starts[r], starts[r + 1], slots, mask))
+            prefills.append(_Prefill(starts[r], starts[r + 1], blocks, ctx, mask))
         return _Plan(
             input_ids=tensor(b.input_ids),
             slot_mapping=tensor(b.slot_mapping),
@@ -204,7 +217,7 @@ class LlamaModel:
             sin=self._sin[positions][:, None, :],
             logits_indices=tensor(b.logits_indices),
             decode_tokens=decode_tokens,
-            decode_slots=decode_slots,
+            decode_blocks=decode_blocks,
             decode_mask=decode_mask,
             prefills=prefills,
         )
@@ -219,8 +232,8 @@ class LlamaModel:
                 h = rms_norm(x, layer.attn_norm, eps)
                 x = x + self._attention(layer, h, cache[i, 0], cache[i, 1], plan)
                 h = rms_norm(x, layer.mlp_norm, eps)
-                gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)  # [T, I] each
-                x = x + F.linear(F.silu(gate) * up, layer.down)
+                gate, up = (h @ layer.gate_up).chunk(2, dim=-1)  # [T, I] each
+                x = x + (F.silu(gate) * up) @ layer.down
             # Norm and LM head only where logits are wanted: an unfinished prefill chunk
             # needs none, and the head is the largest matrix in a small model.
             h = rms_norm(x[plan.logits_indices], self.norm, eps)  # [R, hidden]
@@ -241,7 +254,7 @@ class LlamaModel:
         nh, nkv, d = c.num_heads, c.num_kv_heads, c.head_dim
         g = nh // nkv  # query heads per KV head; head h reads KV head h // g
         t = h.shape[0]
-        q, k, v = F.linear(h, layer.qkv).split([nh * d, nkv * d, nkv * d], dim=-1)
+        q, k, v = (h @ layer.qkv).split([nh * d, nkv * d, nkv * d], dim=-1)
         q = q.view(t, nh, d)
         k = k.view(t, nkv, d)
         q = q * plan.cos + rotate_half(q) * plan.sin  # [T, H, D]
@@ -250,26 +263,38 @@ class LlamaModel:
         v_cache.index_copy_(0, plan.slot_mapping, v.view(t, nkv, d))
 
         out = torch.empty_like(q)  # [T, H, D]
+        bs = self.block_size
+        # The cache seen as whole blocks: gathering a block is one contiguous copy of
+        # bs * KV * D values, where gathering slot by slot copied 768-byte rows one at a
+        # time (that gather was half of a decode step).
+        k_blocks = k_cache.view(-1, bs * nkv * d)  # [num_blocks, bs * KV * D]
+        v_blocks = v_cache.view(-1, bs * nkv * d)
         if plan.decode_tokens is not None:
-            assert plan.decode_slots is not None
+            assert plan.decode_blocks is not None
             assert plan.decode_mask is not None
             # A row's G heads sharing a KV head become that head's G "queries".
             qd = q[plan.decode_tokens].view(-1, nkv, g, d)  # [Bd, KV, G, D]
-            # index_select on the flat slots: about twice as fast as 2-D fancy indexing.
-            bd, s = plan.decode_slots.shape
-            flat = plan.decode_slots.view(-1)
-            kd = k_cache.index_select(0, flat).view(bd, s, nkv, d).transpose(1, 2)
-            vd = v_cache.index_select(0, flat).view(bd, s, nkv, d).transpose(1, 2)  # [Bd,KV,S,D]
+            bd, w = plan.decode_blocks.shape
+            flat = plan.decode_blocks.view(-1)
+            if plan.k_buf is None or plan.v_buf is None:
+                plan.k_buf = k_blocks.new_empty((bd * w, bs * nkv * d))
+                plan.v_buf = v_blocks.new_empty((bd * w, bs * nkv * d))
+            torch.index_select(k_blocks, 0, flat, out=plan.k_buf)
+            torch.index_select(v_blocks, 0, flat, out=plan.v_buf)
+            kd = plan.k_buf.view(bd, w * bs, nkv, d).transpose(1, 2)  # [Bd, KV, S, D]
+            vd = plan.v_buf.view(bd, w * bs, nkv, d).transpose(1, 2)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.decode_mask)
             out[plan.decode_tokens] = od.reshape(-1, nh, d)
         for p in plan.prefills:
             n = p.end - p.start
             qp = q[p.start:p.end].view(n, nkv, g, d).permute(1, 2, 0, 3)  # [KV, G, q, D]
             # [KV, 1, ctx, D] broadcast over the G query heads: a view, not a copy.
-            kp = k_cache.index_select(0, p.slots).transpose(0, 1)[:, None].expand(nkv, g, -1, d)
-            vp = v_cache.index_select(0, p.slots).transpose(0, 1)[:, None].expand(nkv, g, -1, d)
+            kp = k_blocks.index_select(0, p.blocks).view(-1, nkv, d)[: p.ctx]  # [ctx, KV, D]
+            vp = v_blocks.index_select(0, p.blocks).view(-1, nkv, d)[: p.ctx]
+            kp = kp.transpose(0, 1)[:, None].expand(nkv, g, -1, d)
+            vp = vp.transpose(0, 1)[:, None].expand(nkv, g, -1, d)
             op = F.scaled_dot_product_attention(  # [KV, G, q, D]
                 qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None
             )
             out[p.start:p.end] = op.permute(2, 0, 1, 3).reshape(n, nh, d)
-        return F.linear(out.view(t, nh * d), layer.o)  # [T, hidden]
+        return out.view(t, nh * d) @ layer.o  # [T, hidden]
