@@ -7,9 +7,9 @@ py := ".venv/bin/python"
 setup:
     bash scripts/setup.sh
 
-# Start the server on the embedded model (until the server lands: the offline demo).
+# The OpenAI-compatible server on the embedded SmolLM2 (127.0.0.1:8000; `--help` lists flags).
 serve *args: setup
-    {{py}} -m nanoserve.cli generate --chat "Write a haiku about paged attention." {{args}}
+    {{py}} -m nanoserve.cli serve {{args}}
 
 # The whole test suite.
 test *args: setup

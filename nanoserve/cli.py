@@ -37,14 +37,21 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     b = sub.add_parser("bench", help="offline throughput on hf_peer.py's workload")
     bench.add_args(b)
+    s = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    from nanoserve.server import main as server_main
+
+    server_main.add_args(s)
     a = p.parse_args(argv)
     fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    logging.basicConfig(level=logging.INFO, format=fmt)
+    level = getattr(a, "log_level", "info").upper()
+    logging.basicConfig(level=getattr(logging, level), format=fmt)
     if a.cmd == "generate":
         return _generate(a)
     if a.cmd == "bench":
         bench.run(a)
         return 0
+    if a.cmd == "serve":
+        return server_main.run(a)
     return 2
 
 

@@ -1,18 +1,135 @@
-"""`sim`: the simulator's command line (replay, load, capacity land in later issues)."""
+"""`sim`: the simulator's command line (replay and capacity land in later issues).
+
+  sim convert CSV --out TRACE [--limit N] [--start-offset-s X] [--model stub] [--stream]
+              [--seed S] [--engine key=value ...]
+  sim load --out TRACE [--load SPEC] [--n N --arrival KIND --rate R ...] [--engine k=v ...]
+
+`sim load` takes its spec as one `--load` string, as individual flags, or both (a flag wins
+over the same key in the string); either way one parser reads it (sim.load_spec).
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
+from typing import Any
+
+from nanoserve.model.loader import resolve_model
+from nanoserve.tokenizer import Tokenizer
+from sim import load_spec
+from sim.convert import convert_azure, read_azure_csv
+from sim.load import generate_load
+from sim.load_spec import load_spec_from_pairs, split_load_spec
+from sim.trace import write_trace
+
+# Flags of `sim load` and the spec keys they set.
+_LOAD_FLAGS = {
+    "--n": "n", "--arrival": "arrival", "--rate": "rate", "--rate-end": "rate_end",
+    "--duration": "duration", "--burstiness": "burstiness", "--prompt": "prompt",
+    "--output": "output", "--shared-prefix": "shared_prefix", "--api": "api",
+    "--hangup": "hangup", "--seed": "seed", "--model": "model",
+}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="sim")
-    p.add_subparsers(dest="cmd")
+    p = argparse.ArgumentParser(prog="sim", description="nanoserve's simulator")
+    sub = p.add_subparsers(dest="cmd")
+    _add_convert(sub)
+    _add_load(sub)
     a = p.parse_args(argv)
     if a.cmd is None:
         p.print_help()
+        return 0
+    try:
+        count = a.run(a)
+    except (ValueError, OSError) as exc:  # TraceError, ConvertError, SpecError, a bad path
+        print(f"sim {a.cmd}: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {count} requests to {a.out}")
     return 0
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, metavar="TRACE", help="the trace file to write")
+    p.add_argument("--engine", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                   help="engine settings for the header (block_size=16 num_blocks=512 ...); "
+                   "values are JSON, else strings")
+    p.add_argument("--tokenizer", default="smollm2", metavar="MODEL",
+                   help="whose tokenizer counts prompt tokens (a name, .gguf or folder)")
+
+
+def _add_convert(sub: Any) -> None:
+    p = sub.add_parser("convert", help="an Azure LLM inference trace CSV -> a virtual-clock "
+                       "trace", description="TIMESTAMP,ContextTokens,GeneratedTokens rows -> "
+                       "/v1/completions requests with prompts of exactly ContextTokens tokens")
+    p.add_argument("csv", metavar="CSV")
+    _common(p)
+    p.add_argument("--limit", type=int, metavar="N", help="at most N requests")
+    p.add_argument("--start-offset-s", type=float, default=0.0, metavar="X",
+                   help="skip the rows before X seconds after the first")
+    p.add_argument("--model", default="stub", help="the header's and bodies' model name")
+    p.add_argument("--stream", action="store_true", help="streaming requests")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthesised prompt text")
+    p.set_defaults(run=_run_convert)
+
+
+def _add_load(sub: Any) -> None:
+    p = sub.add_parser("load", help="a synthetic virtual-clock trace",
+                       description="A synthetic virtual-clock trace, from --load SPEC and/or "
+                       "the flags below (a flag wins over the same key in SPEC). E.g. --load "
+                       "n=200,arrival=poisson,rate=4,prompt=uniform:32:512,output=fixed:64",
+                       epilog=load_spec.KEYS_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    _common(p)
+    p.add_argument("--load", metavar="SPEC", help="key=value,key=value,...")
+    for flag, key in _LOAD_FLAGS.items():
+        p.add_argument(flag, dest=key, metavar=key.upper())
+    p.add_argument("--stream", action="store_const", const="true", help="streaming requests")
+    p.add_argument("--note", help="the header's note [sim load SPEC]")
+    p.set_defaults(run=_run_load)
+
+
+def engine_overrides(pairs: list[str]) -> dict[str, Any]:
+    """`["block_size=32", "prefix_caching=false"]` -> {"block_size": 32, ...}."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, eq, raw = pair.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--engine takes key=value, got {pair!r}")
+        try:
+            out[key] = json.loads(raw)
+        except ValueError:
+            out[key] = raw  # a bare string such as a sha256
+    return out
+
+
+def _tokenizer(name: str) -> Tokenizer:
+    return Tokenizer.from_folder(resolve_model(name))
+
+
+def _run_convert(a: argparse.Namespace) -> int:
+    engine = engine_overrides(a.engine)  # before the slow steps: fail fast on a typo
+    rows = read_azure_csv(a.csv)
+    trace = convert_azure(rows, _tokenizer(a.tokenizer), source=Path(a.csv).name,
+                          limit=a.limit, start_offset_s=a.start_offset_s, model=a.model,
+                          stream=a.stream, seed=a.seed, engine=engine)
+    write_trace(trace, a.out)
+    return len(trace.requests)
+
+
+def _run_load(a: argparse.Namespace) -> int:
+    engine = engine_overrides(a.engine)
+    pairs = split_load_spec(a.load or "")
+    for key in [*_LOAD_FLAGS.values(), "stream"]:
+        value = getattr(a, key)
+        if value is not None:
+            pairs[key] = value
+    spec = load_spec_from_pairs(pairs)
+    trace = generate_load(spec, _tokenizer(a.tokenizer), engine=engine, note=a.note)
+    write_trace(trace, a.out)
+    return len(trace.requests)
 
 
 if __name__ == "__main__":

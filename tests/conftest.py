@@ -15,6 +15,7 @@ import torch
 
 from nanoserve.model.llama import LlamaModel
 from nanoserve.model.loader import embedded_gguf_path, resolve_model
+from nanoserve.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -25,6 +26,11 @@ def smollm2_folder() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_model(smollm2_folder: Path) -> LlamaModel:
     return LlamaModel.from_folder(smollm2_folder, device="cpu", dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_folder: Path) -> Tokenizer:
+    return Tokenizer.from_folder(smollm2_folder)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,19 @@
+"""HTTP serving: the OpenAI-compatible API (with vLLM's extensions) on Quart-Trio.
+
+    app.py       create_app(): the app around one engine; auth, errors, the engine task
+    openai.py    POST /v1/completions, POST /v1/chat/completions
+    admin.py     GET /health, /v1/models, /metrics; POST /tokenize, /detokenize
+    parse.py     request bodies -> SamplingParams and prompts (400s naming the field)
+    respond.py   a job -> a unary JSON body or an SSE stream; status before the first byte
+    render.py    response shapes: choices, chunks, logprobs, usage
+    jobs.py      requests in flight: merged streams, queue limit, drain on shutdown
+    metrics.py   Prometheus text for /metrics
+    main.py      `nanoserve serve`: arguments, weights loading, Hypercorn, signals
+
+This layer sits on `serving.AsyncEngine` and never touches the engine while it steps.
+"""
+
+from nanoserve.server.app import create_app, drain, server_state
+from nanoserve.server.state import ServerConfig, counter_ids
+
+__all__ = ["ServerConfig", "counter_ids", "create_app", "drain", "server_state"]

@@ -1,0 +1,80 @@
+"""The endpoints around generation: health, models, metrics, tokenize and detokenize.
+
+`/health` is the one route without authentication (load balancers probe it without keys);
+it answers 503 while weights load, after a failed load, once a shutdown has begun, and when
+the bridge's loop has died, so a balancer stops sending traffic in each of those cases.
+`/tokenize` and `/detokenize` take vLLM's request and response shapes.
+"""
+
+from __future__ import annotations
+
+from quart import Quart, Response
+
+from nanoserve.server import parse
+from nanoserve.server.errors import ApiError, bad_request
+from nanoserve.server.openai import read_json
+from nanoserve.server.respond import json_response
+from nanoserve.server.state import current_state, ready
+
+
+def register(app: Quart) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        st = current_state()
+        if st.draining:
+            raise ApiError(503, "the server is shutting down", None, "shutting_down")
+        r = ready(st)  # 503 while loading or after a failed load
+        if not r.bridge.healthy:
+            raise ApiError(503, "the engine loop has failed", None, "engine_dead")
+        return json_response({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        st = current_state()
+        name = st.config.served_model_name
+        max_len = st.ready.engine.max_model_len if st.ready else None
+        card = {"id": name, "object": "model", "created": int(st.now()), "owned_by": "nanoserve",
+                "root": st.config.model_root or name, "parent": None, "max_model_len": max_len}
+        return json_response({"object": "list", "data": [card]})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        st = current_state()
+        stats = st.ready.bridge.statistics() if st.ready else None
+        text = st.metrics.render(stats)
+        resp: Response = app.response_class(
+            text, status=200, content_type="text/plain; version=0.0.4; charset=utf-8"
+        )
+        return resp
+
+    @app.post("/tokenize")
+    async def tokenize() -> Response:
+        st = current_state()
+        r = ready(st)
+        body = await read_json()
+        parse.check_model(body, st.config.served_model_name)
+        special = parse.opt_bool(body, "add_special_tokens", False)
+        prompt = body.get("prompt")
+        if body.get("messages") is not None:
+            prompt = parse.chat_text(body, r.tokenizer, st.config.chat_template)
+        elif not isinstance(prompt, str):
+            raise bad_request("prompt", f"prompt must be a string, got {prompt!r:.80}")
+        text: str = prompt
+        ids = r.tokenizer.encode(text, add_special_tokens=special)
+        strs = [r.tokens.text(t) for t in ids] if parse.opt_bool(
+            body, "return_token_strs", False) else None
+        return json_response({"count": len(ids), "max_model_len": r.engine.max_model_len,
+                              "tokens": ids, "token_strs": strs})
+
+    @app.post("/detokenize")
+    async def detokenize() -> Response:
+        st = current_state()
+        r = ready(st)
+        body = await read_json()
+        parse.check_model(body, st.config.served_model_name)
+        ids = parse.token_list(body.get("tokens"), "tokens")
+        vocab = r.engine.model.config.vocab_size
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise bad_request("tokens", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        return json_response({"prompt": r.tokenizer.decode(ids)})

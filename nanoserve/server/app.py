@@ -1,0 +1,224 @@
+"""The app factory: a Quart-Trio app around one engine, for `nanoserve serve`, for tests
+(driven in-process over ASGI or a real socket) and for the replay harness.
+
+Everything that would make two runs differ is injected: the clock (how steps map to
+seconds), `id_source` (the tail of `cmpl-...` ids) and `time_source` (epoch seconds for
+`created`). With a step or virtual clock, a counter and a fixed time, a replay reproduces
+every byte of every response.
+
+The engine loop lives in the app's nursery (Quart-Trio's lifespan nursery), so it starts
+before the first request and outlives every request task. Given a loader instead of an
+engine, the app starts serving at once and loads the weights in a worker thread; until they
+are loaded `/health` and the model routes answer 503.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import trio
+from hypercorn.typing import ASGISendCallable
+from quart import Response, request
+from quart_trio import QuartTrio
+from quart_trio.asgi import TrioASGIHTTPConnection
+from werkzeug.exceptions import HTTPException
+
+from nanoserve.clock import Clock
+from nanoserve.engine import Engine, StepResult
+from nanoserve.server import admin, openai
+from nanoserve.server.errors import ApiError, error_object
+from nanoserve.server.jobs import Registry
+from nanoserve.server.metrics import Metrics
+from nanoserve.server.render import TokenText
+from nanoserve.server.respond import SseBody, json_response
+from nanoserve.server.state import Ready, ServerConfig, ServerState, counter_ids, current_state
+from nanoserve.serving import AsyncEngine
+
+log = logging.getLogger("nanoserve.server")
+
+EngineSource = Engine | Callable[[], Engine]
+_PROGRESS_EVERY_S = 10.0
+
+
+def create_app(
+    engine: EngineSource,
+    config: ServerConfig,
+    *,
+    clock: Clock,
+    id_source: Callable[[], str] | None = None,
+    time_source: Callable[[], float] = time.time,
+    on_fatal: Callable[[BaseException], None] | None = None,
+) -> QuartTrio:
+    """`engine` is a built Engine, or a callable that builds one (run in a thread at
+    startup). `on_fatal` is called if that load fails, so `serve` can exit non-zero."""
+    app = QuartTrio("nanoserve")
+    app.asgi_http_class = _Connection
+    app.config.update(
+        RESPONSE_TIMEOUT=None,  # would cut long streams without their terminator
+        BODY_TIMEOUT=config.body_timeout,
+        MAX_CONTENT_LENGTH=config.max_body_bytes,
+    )
+    st = ServerState(config, Metrics(config.served_model_name), id_source or counter_ids(),
+                     time_source)
+    app.extensions["nanoserve"] = st
+
+    # The engine task has its own cancel scope: on shutdown it is cancelled (which closes
+    # the bridge and aborts whatever is left) and awaited, so shutdown ends with every KV
+    # block free. Quart-Trio's BACKGROUND_TASK_SHUTDOWN_TIMEOUT must stay a number: set to
+    # None it cancels the lifespan task itself, before it reports shutdown complete.
+    scope = trio.CancelScope()
+    stopped = trio.Event()
+
+    @app.before_serving
+    async def start_engine() -> None:
+        await app.nursery.start(_engine_task, st, engine, clock, on_fatal, scope, stopped)
+
+    @app.after_serving
+    async def stop_engine() -> None:
+        scope.cancel()
+        await stopped.wait()
+
+    @app.before_request
+    async def authenticate() -> None:
+        key = config.api_key
+        if key is None or request.path == "/health":
+            return
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        # compare_digest: the time taken must not say how much of a guess was right.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), key.encode()
+        ):
+            raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer "
+                           "<key>'", None, "invalid_api_key")
+
+    app.register_error_handler(ApiError, _api_error)
+    app.register_error_handler(HTTPException, _http_error)
+    app.register_error_handler(Exception, _unexpected)
+    openai.register(app)
+    admin.register(app)
+    return app
+
+
+def server_state(app: QuartTrio) -> ServerState:
+    st: ServerState = app.extensions["nanoserve"]
+    return st
+
+
+async def drain(app: QuartTrio, grace: float) -> int:
+    """Begin a graceful shutdown: refuse new requests (503), give those in flight up to
+    `grace` seconds, then end the rest. Returns how many were ended early."""
+    st = server_state(app)
+    st.draining = True
+    if st.ready is None:
+        return 0
+    return await st.ready.registry.drain(grace)
+
+
+async def _engine_task(
+    st: ServerState,
+    source: EngineSource,
+    clock: Clock,
+    on_fatal: Callable[[BaseException], None] | None,
+    scope: trio.CancelScope,
+    stopped: trio.Event,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    try:
+        with scope:
+            await _run_engine(st, source, clock, on_fatal, task_status)
+    finally:
+        stopped.set()
+
+
+async def _run_engine(
+    st: ServerState,
+    source: EngineSource,
+    clock: Clock,
+    on_fatal: Callable[[BaseException], None] | None,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    if isinstance(source, Engine):
+        engine = source
+    else:
+        task_status.started()  # serve (and answer 503) while the weights load
+        try:
+            engine = await _load(source)
+        except Exception as exc:
+            log.exception("the model failed to load")
+            st.load_error = repr(exc)
+            if on_fatal is not None:
+                on_fatal(exc)
+            return
+    async with AsyncEngine.open(engine, clock) as bridge:
+
+        def on_step(result: StepResult) -> None:
+            # Runs in the loop task between steps, the one time reading the engine is safe.
+            st.metrics.on_step(result, engine.statistics(), trio.current_time())
+
+        bridge.add_step_listener(on_step)
+        registry = Registry(bridge, st.metrics, st.config.max_queue)
+        st.ready = Ready(engine, bridge, registry, TokenText(engine.tokenizer))
+        st.loaded.set()
+        if isinstance(source, Engine):
+            task_status.started()
+        log.info("engine ready: %d KV blocks of %d tokens, max_model_len %d",
+                 engine.pool.num_blocks, engine.pool.block_size, engine.max_model_len)
+        await trio.sleep_forever()  # until the lifespan nursery is cancelled on shutdown
+
+
+async def _load(loader: Callable[[], Engine]) -> Engine:
+    started = trio.current_time()
+
+    async def progress() -> None:
+        while True:
+            await trio.sleep(_PROGRESS_EVERY_S)
+            log.info("still loading the model (%.0f s)", trio.current_time() - started)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(progress)
+        # abandon_on_cancel: a shutdown during a long load must not wait for it to finish.
+        engine = await trio.to_thread.run_sync(loader, abandon_on_cancel=True)
+        nursery.cancel_scope.cancel()
+    log.info("model loaded in %.1f s", trio.current_time() - started)
+    return engine
+
+
+class _Connection(TrioASGIHTTPConnection):
+    """Quart-Trio's HTTP connection, plus one guarantee: once sending a response ends, for
+    any reason, the stream behind it is closed (see respond.SseBody)."""
+
+    async def _send_response(self, send: ASGISendCallable, response: Any) -> None:
+        try:
+            await super()._send_response(send, response)
+        finally:
+            body = getattr(response, "response", None)
+            if isinstance(body, SseBody):
+                body.close_nowait()
+
+
+async def _api_error(exc: ApiError) -> Response:
+    return json_response(exc.body(), exc.status, exc.headers)
+
+
+async def _http_error(exc: HTTPException) -> Response:
+    code = exc.code or 500
+    cfg = current_state().config
+    message, err = {
+        404: (f"no route {request.method} {request.path}", "not_found"),
+        405: (f"method {request.method} is not allowed on {request.path}", "method_not_allowed"),
+        408: (f"the request body did not arrive within {cfg.body_timeout} s", "body_timeout"),
+        413: (f"the request body is over the limit of {cfg.max_body_bytes} bytes",
+              "body_too_large"),
+    }.get(code, (exc.description or exc.name, exc.name.lower().replace(" ", "_")))
+    return json_response(ApiError(code, message, None, err).body(), code)
+
+
+async def _unexpected(exc: Exception) -> Response:
+    # Never expected for bad input (that is a 400 above); this is a server bug.
+    log.exception("unhandled error in %s %s", request.method, request.path)
+    return json_response(error_object(f"internal server error: {exc!r}", "server_error", None,
+                                      "internal_error"), 500)

@@ -1,0 +1,180 @@
+"""`nanoserve serve`: the OpenAI-compatible server on Hypercorn's Trio worker.
+
+Start-up binds the socket first and loads the weights after, in a worker thread, so a
+supervisor sees the port open and `/health` answering 503 while a large model loads.
+
+Shutdown (SIGINT or SIGTERM) is graceful: Hypercorn stops accepting connections, the app
+answers new requests on open connections with 503, and requests in flight get up to
+`--shutdown-grace` seconds to finish. Whatever is still running then is ended by the app
+itself: a stream gets `data: {"error": ...}` and `data: [DONE]`, a unary request a 503.
+Hypercorn's own grace period is set a second longer, so it never cuts a stream before the
+app has ended it properly; it also waits that long for idle keep-alive connections (it does
+not close them on shutdown), so a shutdown takes up to grace + 1 s. A second signal ends
+everything at once. The exit status is 0
+after a signal and 1 when the weights fail to load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import hypercorn.config
+import hypercorn.trio
+import trio
+
+from nanoserve.clock import LiveClock
+from nanoserve.config import ConfigError, EngineConfig
+from nanoserve.engine import Engine
+from nanoserve.server.app import create_app, drain
+from nanoserve.server.state import ServerConfig
+
+log = logging.getLogger("nanoserve.server")
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
+          "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "tb": 10**12}
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*")
+# Hypercorn's grace runs past ours by this much, so the app ends streams, not Hypercorn.
+_HYPERCORN_EXTRA_GRACE_S = 1.0
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB', '512MiB', '1.5GB', '1000000' -> bytes."""
+    m = _SIZE.fullmatch(text)
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 2GiB, 512MiB, 1000000)")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument
+    a("--host", default="127.0.0.1")
+    a("--port", type=int, default=8000, help="0 picks a free port (logged once bound)")
+    a("--model", default="smollm2", help="smollm2, stub, or a path to a Llama folder or GGUF")
+    a("--served-model-name", default=None, help="the name clients use (default: --model)")
+    a("--device", default="cpu")
+    a("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    a("--block-size", type=int, default=16)
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument("--num-blocks", type=int, default=None)
+    kv.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+                    help="bytes for the KV pool, e.g. 2GiB")
+    a("--max-num-seqs", type=int, default=64)
+    a("--max-num-batched-tokens", type=int, default=512)
+    a("--max-model-len", type=int, default=None)
+    a("--seed", type=int, default=0)
+    a("--api-key", default=None, help="require 'Authorization: Bearer KEY' "
+      "(default: $NANOSERVE_API_KEY)")
+    a("--max-queue", type=int, default=1024,
+      help="waiting requests beyond which new ones get 429")
+    a("--max-body-bytes", type=parse_bytes, default=16 << 20)
+    a("--body-timeout", type=float, default=30.0,
+      help="seconds to receive a request body before answering 408")
+    a("--shutdown-grace", type=float, default=10.0)
+    a("--chat-template", default=None, help="a Jinja template, or a file holding one")
+    a("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def engine_config(a: argparse.Namespace) -> EngineConfig:
+    extra = {} if a.kv_cache_memory is None else {"kv_cache_memory": a.kv_cache_memory}
+    return EngineConfig(
+        block_size=a.block_size, num_blocks=a.num_blocks, max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
+        seed=a.seed, **extra,
+    )
+
+
+def server_config(a: argparse.Namespace) -> ServerConfig:
+    template = a.chat_template
+    if template is not None and Path(template).is_file():
+        template = Path(template).read_text()
+    return ServerConfig(
+        served_model_name=a.served_model_name or a.model,
+        api_key=a.api_key or os.environ.get("NANOSERVE_API_KEY") or None,
+        max_queue=a.max_queue, max_body_bytes=a.max_body_bytes, body_timeout=a.body_timeout,
+        chat_template=template, model_root=a.model,
+    )
+
+
+def run(a: argparse.Namespace) -> int:
+    try:
+        cfg = engine_config(a)
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return 2
+    return trio.run(_serve, a, cfg, server_config(a))
+
+
+async def _serve(a: argparse.Namespace, cfg: EngineConfig, config: ServerConfig) -> int:
+
+    def loader() -> Engine:
+        from nanoserve.model import load
+
+        log.info("loading model %s (device %s, dtype %s)", a.model, a.device, a.dtype)
+        model, tokenizer = load(a.model, device=a.device, dtype=a.dtype)
+        return Engine(model, tokenizer, cfg)
+
+    stop_requested, hurry, stop_serving, served = (trio.Event() for _ in range(4))
+    failed: list[BaseException] = []
+
+    def on_fatal(exc: BaseException) -> None:
+        failed.append(exc)
+        stop_requested.set()
+
+    app = create_app(loader, config, clock=LiveClock(), id_source=lambda: uuid.uuid4().hex,
+                     time_source=time.time, on_fatal=on_fatal)
+    hc = hypercorn.config.Config()
+    hc.bind = [f"{a.host}:{a.port}"]
+    hc.graceful_timeout = a.shutdown_grace + _HYPERCORN_EXTRA_GRACE_S
+    hc.accesslog = logging.getLogger("hypercorn.access")
+    hc.errorlog = logging.getLogger("hypercorn.error")
+
+    async def serve(task_status: trio.TaskStatus[list[str]]) -> None:
+        await hypercorn.trio.serve(app, hc, shutdown_trigger=stop_serving.wait,
+                                   task_status=task_status)
+        served.set()
+
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_watch_signals, signals, stop_requested, hurry)
+            binds = await nursery.start(serve)
+            log.info("listening on %s (model %s)", ", ".join(binds), config.served_model_name)
+            await stop_requested.wait()
+            stop_serving.set()  # stop accepting; Hypercorn closes idle connections
+            if not failed:
+                async with trio.open_nursery() as drainer:
+                    drainer.start_soon(_cancel_on, hurry, drainer.cancel_scope)
+                    await drain(app, a.shutdown_grace)
+                    drainer.cancel_scope.cancel()
+                if hurry.is_set():
+                    await drain(app, 0.0)
+            await served.wait()
+            nursery.cancel_scope.cancel()
+    log.info("stopped")
+    return 1 if failed else 0
+
+
+async def _watch_signals(
+    signals: AsyncIterator[int], first: trio.Event, second: trio.Event
+) -> None:
+    async for signum in signals:
+        name = signal.Signals(signum).name
+        if not first.is_set():
+            log.info("%s: shutting down gracefully (again to stop at once)", name)
+            first.set()
+        else:
+            log.info("%s again: ending every request now", name)
+            second.set()
+
+
+async def _cancel_on(event: trio.Event, scope: trio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()

@@ -1,0 +1,88 @@
+"""The generation endpoints: `POST /v1/completions` and `POST /v1/chat/completions`.
+
+Both read as the same four lines: parse the body (400 naming the field), prepare every
+prompt through the bridge (tokenize and validate: a prompt that can never fit is a 400
+here, not a failure later), then hand the job to `respond` for a unary or streamed answer.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from quart import Quart, Response, current_app, request
+
+from nanoserve.engine import Prepared
+from nanoserve.sampling import ParamError
+from nanoserve.server import parse
+from nanoserve.server.errors import ApiError, from_param_error
+from nanoserve.server.render import Shapes
+from nanoserve.server.respond import respond
+from nanoserve.server.state import Ready, ServerState, current_state, ready
+from nanoserve.serving import EngineDeadError
+
+# Visible ASCII, no spaces: the id goes into logs and headers verbatim.
+_REQUEST_ID = re.compile(r"[!-~]{1,128}")
+
+
+def request_core_id(st: ServerState) -> str:
+    """The client's X-Request-Id if it sent one, else a fresh id from the app's source."""
+    given = request.headers.get("X-Request-Id")
+    if given is None:
+        return st.next_id()
+    if not _REQUEST_ID.fullmatch(given):
+        raise ApiError(400, "X-Request-Id must be 1 to 128 visible ASCII characters",
+                       "X-Request-Id", "invalid_value")
+    return given
+
+
+async def read_json() -> dict[str, object]:
+    # get_data applies MAX_CONTENT_LENGTH (413) and BODY_TIMEOUT (408).
+    return parse.loads(await request.get_data(cache=False, as_text=False, parse_form_data=False))
+
+
+def prepare_all(r: Ready, req: parse.GenerateRequest) -> list[Prepared]:
+    try:
+        return [r.bridge.prepare(p, req.params) for p in req.prompts]
+    except ParamError as exc:
+        raise from_param_error(exc) from None
+    except EngineDeadError as exc:
+        raise ApiError(503, f"the engine is not running: {exc}", None, "engine_dead") from None
+
+
+async def _generate(
+    st: ServerState, r: Ready, kind: str, req: parse.GenerateRequest, prefixes: Sequence[str]
+) -> Response:
+    prepared = prepare_all(r, req)
+    core = request_core_id(st)
+    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    shapes = Shapes(kind, f"{prefix}-{core}", int(st.now()), st.config.served_model_name,
+                    r.tokens, req.params.logprobs is not None)
+    return await respond(
+        r.registry, current_app.nursery, prepared, shapes, prefixes,  # type: ignore[attr-defined]
+        stream=req.stream, include_usage=req.include_usage, headers={"X-Request-Id": core},
+    )
+
+
+def register(app: Quart) -> None:
+    @app.post("/v1/completions")
+    async def completions() -> Response:
+        st = current_state()
+        r = ready(st)
+        req = parse.completion(await read_json(), st.config.served_model_name)
+        prefixes = [""] * len(req.prompts)
+        if req.echo:
+            prefixes = [
+                p if isinstance(p, str)
+                else r.tokenizer.decode(p, skip_special_tokens=req.params.skip_special_tokens)
+                for p in req.prompts
+            ]
+        return await _generate(st, r, "completion", req, prefixes)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions() -> Response:
+        st = current_state()
+        r = ready(st)
+        req = parse.chat(await read_json(), st.config.served_model_name, r.tokenizer,
+                         st.config.chat_template)
+        return await _generate(st, r, "chat", req, [""])

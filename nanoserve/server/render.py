@@ -1,0 +1,192 @@
+"""Response shapes: completion and chat objects, their stream chunks, logprobs and usage.
+
+One `Choice` folds a completion's updates, for a unary answer and a stream alike; a stream
+chunk renders what arrived since the last chunk, a unary response renders everything. The
+logprobs of a chunk are those of the tokens since the last chunk, and `text_offset` carries
+on from it, so the concatenated chunks equal the unary response by construction, logprobs
+included (DESIGN.md: streaming is a delivery schedule, not a different model).
+
+Token strings. A byte-level BPE token is a run of *bytes* written in GPT-2's printable
+alphabet (byte 0x20 is "Ġ", and so on); a token in the middle of a multi-byte character is
+not valid UTF-8 alone. `TokenText` maps a token back to its bytes (the chat API's `bytes`
+field) and shows undecodable bytes as `\\xNN` escapes, as the OpenAI API does, rather than
+as U+FFFD, which would hide which bytes they were.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from nanoserve.request import Update
+from nanoserve.sampler import TokenLogprobs
+from nanoserve.tokenizer import Tokenizer
+
+Json = dict[str, Any]
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: printable Latin-1 bytes stand for themselves;
+    the other 68 bytes (controls, space, 0x7f-0xa0, 0xad) are shifted up to U+0100 onward,
+    in byte order, so every byte has a visible, unambiguous character."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {chr(b): b for b in printable}
+    shifted = sorted(set(range(256)) - set(printable))
+    for i, b in enumerate(shifted):
+        table[chr(0x100 + i)] = b
+    return table
+
+
+_ALPHABET = _byte_alphabet()
+
+
+class TokenText:
+    """Token id -> raw bytes and display string, cached (a stream asks for the same few
+    thousand ids again and again)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tok = tokenizer
+        self._cache: dict[int, tuple[bytes, str]] = {}
+
+    def get(self, token_id: int) -> tuple[bytes, str]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            piece = self._tok.id_to_token(token_id) or ""
+            if piece and all(ch in _ALPHABET for ch in piece):
+                raw = bytes(_ALPHABET[ch] for ch in piece)
+            else:  # special tokens and non-byte-level vocabularies: the text is the token
+                raw = self._tok.decode([token_id], skip_special_tokens=False).encode()
+            hit = (raw, raw.decode("utf-8", errors="backslashreplace"))
+            self._cache[token_id] = hit
+        return hit
+
+    def text(self, token_id: int) -> str:
+        return self.get(token_id)[1]
+
+
+def _finite(x: float) -> float:
+    # JSON has no -Infinity; a masked token's logprob is reported as a very small number.
+    return x if math.isfinite(x) else -9999.0
+
+
+@dataclass(slots=True)
+class Choice:
+    """One completion (one index) as it accumulates. `pending` holds the logprobs of tokens
+    not yet sent in a chunk; tokens whose text is held back send no chunk of their own."""
+
+    index: int
+    prefix: str = ""  # echoed prompt text, sent with the first chunk
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    pending: list[TokenLogprobs] = field(default_factory=list)
+    offset: int = 0  # text_offset of the next token (completions logprobs)
+    sent_any: bool = False
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def __post_init__(self) -> None:
+        self.offset = len(self.prefix)  # offsets count the echoed prompt too
+
+    def add(self, u: Update) -> bool:
+        """Fold one update in; True when it deserves a chunk (it has text or a finish)."""
+        self.token_ids.extend(u.new_token_ids)
+        self.text.append(u.text)
+        got = [lp for lp in u.logprobs if lp is not None]
+        self.logprobs.extend(got)
+        self.pending.extend(got)
+        if u.finished:
+            self.finished = True
+            self.finish_reason, self.stop_reason = u.finish_reason, u.stop_reason
+        return bool(u.text) or u.finished
+
+
+@dataclass(slots=True)
+class Shapes:
+    """What every object of one response shares."""
+
+    kind: str  # "completion" | "chat"
+    id: str
+    created: int
+    model: str
+    tokens: TokenText
+    logprobs: bool  # were logprobs asked for (else the field is null)
+
+    def chunk(self, c: Choice, text: str) -> Json:
+        """The chunk for one update of choice `c`, whose own text is `text`."""
+        lps, c.offset = self._logprobs(c.pending, c.offset)
+        c.pending = []
+        first = not c.sent_any
+        c.sent_any = True
+        if first:
+            text = c.prefix + text
+        choice: Json
+        if self.kind == "chat":
+            delta: Json = {"role": "assistant", "content": text} if first else (
+                {"content": text} if text else {})
+            choice = {"index": c.index, "delta": delta, "logprobs": lps}
+        else:
+            choice = {"index": c.index, "text": text, "logprobs": lps}
+        choice["finish_reason"] = c.finish_reason if c.finished else None
+        choice["stop_reason"] = c.stop_reason if c.finished else None
+        return self._envelope("chunk", [choice])
+
+    def usage_chunk(self, usage: Json) -> Json:
+        return {**self._envelope("chunk", []), "usage": usage}
+
+    def response(self, choices: list[Choice], usage: Json) -> Json:
+        out = []
+        for c in choices:
+            lps, _ = self._logprobs(c.logprobs, len(c.prefix))
+            text = c.prefix + "".join(c.text)
+            body: Json = (
+                {"message": {"role": "assistant", "content": text}}
+                if self.kind == "chat" else {"text": text}
+            )
+            out.append({"index": c.index, **body, "logprobs": lps,
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        return {**self._envelope("response", out), "usage": usage}
+
+    def _envelope(self, what: str, choices: list[Json]) -> Json:
+        obj = {
+            ("chat", "chunk"): "chat.completion.chunk",
+            ("chat", "response"): "chat.completion",
+        }.get((self.kind, what), "text_completion")
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def _logprobs(self, lps: list[TokenLogprobs], offset: int) -> tuple[Json | None, int]:
+        """The logprobs object for `lps`, whose first token starts at `offset` in the text;
+        returns it with the offset after the last token."""
+        if not self.logprobs:
+            return None, offset
+        if self.kind == "chat":
+            return {"content": [self._chat_entry(lp) for lp in lps]}, offset
+        tokens, offsets, tops = [], [], []
+        for lp in lps:
+            s = self.tokens.text(lp.token_id)
+            tokens.append(s)
+            offsets.append(offset)
+            offset += len(s)
+            # The OpenAI completions API: the top alternatives *and* the chosen token.
+            top = {self.tokens.text(t): _finite(v) for t, v in lp.top}
+            top.setdefault(s, _finite(lp.logprob))
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in lps],
+                "top_logprobs": tops, "text_offset": offsets}, offset
+
+    def _chat_entry(self, lp: TokenLogprobs) -> Json:
+        raw, s = self.tokens.get(lp.token_id)
+        top = []
+        for t, v in lp.top:
+            traw, ts = self.tokens.get(t)
+            top.append({"token": ts, "logprob": _finite(v), "bytes": list(traw)})
+        return {"token": s, "logprob": _finite(lp.logprob), "bytes": list(raw),
+                "top_logprobs": top}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> Json:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

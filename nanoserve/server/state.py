@@ -1,0 +1,78 @@
+"""What the server knows: its settings, and the state the routes share."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import trio
+from quart import current_app
+
+from nanoserve.engine import Engine
+from nanoserve.server.errors import ApiError
+from nanoserve.server.jobs import Registry
+from nanoserve.server.metrics import Metrics
+from nanoserve.server.render import TokenText
+from nanoserve.serving import AsyncEngine
+from nanoserve.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    served_model_name: str
+    # Never in a repr: the config ends up in logs and tracebacks.
+    api_key: str | None = field(default=None, repr=False)
+    max_queue: int | None = None  # waiting requests beyond which a new one gets 429
+    max_body_bytes: int = 16 << 20
+    body_timeout: float | None = 30.0  # seconds to receive a whole request body, else 408
+    chat_template: str | None = None  # overrides the tokenizer's
+    model_root: str | None = None  # what /v1/models reports as the model's source
+
+
+def counter_ids(start: int = 0) -> Callable[[], str]:
+    """Request ids from a counter: what a replay needs to reproduce its responses."""
+    counter = itertools.count(start)
+    return lambda: f"{next(counter)}"
+
+
+@dataclass(slots=True, eq=False)
+class Ready:
+    """Everything that exists once the model has loaded and the bridge is running."""
+
+    engine: Engine
+    bridge: AsyncEngine
+    registry: Registry
+    tokens: TokenText
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+
+@dataclass(slots=True, eq=False)
+class ServerState:
+    config: ServerConfig
+    metrics: Metrics
+    next_id: Callable[[], str]  # a fresh id suffix per request
+    now: Callable[[], float]  # epoch seconds, for `created`
+    ready: Ready | None = None
+    loaded: trio.Event = field(default_factory=trio.Event)  # set once `ready` is
+    load_error: str | None = None
+    draining: bool = False
+
+
+def current_state() -> ServerState:
+    st: ServerState = current_app.extensions["nanoserve"]
+    return st
+
+
+def ready(st: ServerState) -> Ready:
+    """The loaded model and bridge, or the 503 that says why there are none yet."""
+    if st.ready is None:
+        if st.load_error is not None:
+            raise ApiError(503, f"the model failed to load: {st.load_error}", None,
+                           "model_load_failed")
+        raise ApiError(503, "the model is still loading; retry shortly", None, "model_loading",
+                       {"Retry-After": "5"})
+    return st.ready

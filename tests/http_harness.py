@@ -1,0 +1,220 @@
+"""A minimal ASGI driver for tests: requests, streams and hang-ups without a socket.
+
+Quart-Trio's own test client deadlocks on streams and hangs after a disconnect (DESIGN.md
+pitfalls), so tests drive the ASGI callable directly: the harness plays the server's side
+of the protocol (lifespan startup and shutdown, `http.request` body messages in, the
+`http.response.start` and `http.response.body` messages out) and can send
+`http.disconnect` at any point, which is how a client hanging up reaches an app.
+
+Everything is unbounded channels and tasks in one nursery: no sleeps, no timers, so tests
+stay deterministic under the gate clock and `wait_all_tasks_blocked()`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+Message = dict[str, Any]
+
+
+@dataclass(slots=True)
+class HttpResponse:
+    status: int
+    headers: dict[str, str]  # names lowercased
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+    def events(self) -> list[str]:
+        return sse_events(self.body)
+
+
+def sse_events(body: bytes) -> list[str]:
+    """The `data:` payloads of an SSE body, in order."""
+    out = []
+    for block in body.decode().split("\n\n"):
+        data = [line[len("data: "):] for line in block.split("\n") if line.startswith("data: ")]
+        if data:
+            out.append("\n".join(data))
+    return out
+
+
+@dataclass(slots=True, eq=False)
+class Exchange:
+    """One request in progress: feed its body, read its response, hang up."""
+
+    _to_app: trio.MemorySendChannel[Message]
+    _from_app: trio.MemoryReceiveChannel[Message]
+    status: int | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytearray = field(default_factory=bytearray)
+    complete: bool = False  # the app sent its last body message
+    _pending: bytearray = field(default_factory=bytearray)  # SSE bytes not yet parsed
+    release_start: Callable[[], None] = lambda: None
+
+    async def send_body(self, chunk: bytes, *, more: bool = False) -> None:
+        await self._to_app.send({"type": "http.request", "body": chunk, "more_body": more})
+
+    def disconnect(self) -> None:
+        """The client hangs up (what a server sends when the socket closes)."""
+        self._to_app.send_nowait({"type": "http.disconnect"})
+
+    def _take(self, msg: Message) -> None:
+        if msg["type"] == "http.response.start":
+            self.status = msg["status"]
+            self.headers = {k.decode().lower(): v.decode() for k, v in msg.get("headers", [])}
+        elif msg["type"] == "http.response.body":
+            chunk = msg.get("body", b"")
+            self.body += chunk
+            self._pending += chunk
+            self.complete = not msg.get("more_body", False)
+
+    async def _pull(self) -> bool:
+        """Take one message from the app; False once the response is complete."""
+        if self.complete:
+            return False
+        self._take(await self._from_app.receive())
+        return True
+
+    def ready_events(self) -> list[str]:
+        """The SSE payloads the app has sent so far, without waiting: for gate-clock tests,
+        after `wait_all_tasks_blocked()`."""
+        while not self.complete:
+            try:
+                msg = self._from_app.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
+            self._take(msg)
+        block, sep, rest = bytes(self._pending).rpartition(b"\n\n")
+        if not sep:
+            return []
+        self._pending = bytearray(rest)
+        return sse_events(block + sep)
+
+    async def start(self) -> int:
+        """Wait for the status line."""
+        while self.status is None:
+            if not await self._pull():
+                raise AssertionError("response ended without http.response.start")
+        return self.status
+
+    async def next_event(self) -> str | None:
+        """The next SSE `data:` payload, or None once the body has ended."""
+        while b"\n\n" not in self._pending:
+            if not await self._pull():
+                return None
+        block, _, rest = bytes(self._pending).partition(b"\n\n")
+        self._pending = bytearray(rest)
+        events = sse_events(block + b"\n\n")
+        return events[0] if events else await self.next_event()
+
+    async def read_all(self) -> HttpResponse:
+        while await self._pull():
+            pass
+        assert self.status is not None
+        return HttpResponse(self.status, self.headers, bytes(self.body))
+
+
+class AsgiHarness:
+    def __init__(self, app: Any, nursery: trio.Nursery) -> None:
+        self.app = app
+        self.nursery = nursery
+
+    async def open(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        body: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+        complete_body: bool = True,
+        hold_start: bool = False,
+    ) -> Exchange:
+        """Start a request. With `complete_body=False` the body is not sent: the test feeds
+        it with `send_body` (or never does, to play a stalled client). With `hold_start`
+        the app's send of the status line blocks until `release_start()`."""
+        if json_body is not None:
+            body = json.dumps(json_body).encode()
+        raw = body or b""
+        hdrs = {"content-type": "application/json", **(headers or {})}
+        if complete_body:
+            hdrs.setdefault("content-length", str(len(raw)))
+        to_app, app_in = trio.open_memory_channel[Message](math.inf)
+        app_out, from_app = trio.open_memory_channel[Message](math.inf)
+        scope = {
+            "type": "http", "asgi": {"version": "3.0", "spec_version": "2.1"},
+            "http_version": "1.1", "method": method, "scheme": "http", "path": path,
+            "raw_path": path.encode(), "query_string": b"", "root_path": "",
+            "headers": [(k.lower().encode(), v.encode()) for k, v in hdrs.items()],
+            "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8000), "extensions": {},
+        }
+
+        ex = Exchange(to_app, from_app)
+        start_gate = trio.Event()
+        if not hold_start:
+            start_gate.set()
+        ex.release_start = start_gate.set
+
+        async def send(msg: Message) -> None:
+            if msg["type"] == "http.response.start":
+                await start_gate.wait()  # a network that has not taken the status line yet
+            await app_out.send(msg)
+
+        async def call() -> None:
+            async with app_out:
+                await self.app(scope, app_in.receive, send)
+
+        self.nursery.start_soon(call)
+        if complete_body:
+            await ex.send_body(raw)
+        return ex
+
+    async def request(self, method: str, path: str, **kw: Any) -> HttpResponse:
+        ex = await self.open(method, path, **kw)
+        return await ex.read_all()
+
+    async def post(self, path: str, body: Any, **kw: Any) -> HttpResponse:
+        return await self.request("POST", path, json_body=body, **kw)
+
+
+@asynccontextmanager
+async def serving(app: Any) -> AsyncIterator[AsgiHarness]:
+    """Run the app's lifespan around the block, as a server would."""
+    to_app, app_in = trio.open_memory_channel[Message](math.inf)
+    app_out, from_app = trio.open_memory_channel[Message](math.inf)
+    scope = {"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.0"},
+             "state": {}}
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(app, scope, app_in.receive, app_out.send)
+        await to_app.send({"type": "lifespan.startup"})
+        msg = await from_app.receive()
+        if msg["type"] != "lifespan.startup.complete":
+            raise RuntimeError(f"app startup failed: {msg}")
+        async with trio.open_nursery() as requests:
+            try:
+                yield AsgiHarness(app, requests)
+            finally:
+                requests.cancel_scope.cancel()
+        await to_app.send({"type": "lifespan.shutdown"})
+        msg = await from_app.receive()
+        if msg["type"] != "lifespan.shutdown.complete":
+            raise RuntimeError(f"app shutdown failed: {msg}")
+
+
+@functools.cache
+def stub_parts() -> tuple[Any, Any]:
+    """The stub model and its (real) tokenizer, loaded once per test process: loading
+    hashes the embedded GGUF, about two seconds, and every server test module needs it."""
+    from nanoserve.model import load
+
+    return load("stub")
