@@ -18,7 +18,7 @@ from nanoserve.kv import BlockPool, KVManager
 from nanoserve.model.base import ForwardBatch, Model
 from nanoserve.model.stub import _mix
 from nanoserve.request import FinishReason, Request, Status, Update
-from nanoserve.sampler import SamplingRow, sample
+from nanoserve.sampler import SampleOutput, SamplingRow, TokenLogprobs, sample, token_logprobs
 from nanoserve.sampling import ParamError, SamplingParams
 from nanoserve.scheduler import Schedule, Scheduler
 from nanoserve.tokenizer import Tokenizer
@@ -37,6 +37,34 @@ class Prepared:
     max_tokens: int  # resolved: the params' own, or the rest of the context
 
 
+@dataclass(slots=True)
+class _PromptRows:
+    """The logits rows of a step that score prompt tokens (params.prompt_logprobs)."""
+
+    rows: list[int]  # [P] row in the model's logits
+    targets: list[int]  # [P] the prompt token each row scores (the one after its position)
+    requests: list[Request]  # [P] whose prompt
+
+
+@dataclass(slots=True)
+class _Work:
+    """What a step computed, for StepResult and the engine's counters."""
+
+    prefill: int = 0
+    decode: int = 0
+    prefill_seqs: int = 0
+    decode_context: int = 0
+    prefill_attention: int = 0
+
+
+def _plain_greedy(p: SamplingParams) -> bool:
+    """Whether the sampler's answer for this row is the bare argmax of the model's logits
+    (sampler._process leaves such a row untouched; see its stages)."""
+    return (p.temperature == 0 and p.logprobs is None and p.prompt_logprobs is None
+            and p.repetition_penalty == 1 and p.presence_penalty == 0
+            and p.frequency_penalty == 0 and not p.logit_bias and p.min_tokens == 0)
+
+
 @dataclass(frozen=True, slots=True)
 class StepResult:
     step: int
@@ -44,6 +72,12 @@ class StepResult:
     preempted: tuple[str, ...]
     num_prefill_tokens: int
     num_decode_tokens: int
+    # What a step-cost model needs beyond token counts (sim/cost.py): rows in prefill, and
+    # the attention work as (query, key) pairs: a decode row attends to its whole context,
+    # a prefill chunk [start, end) causally to sum(p + 1 for p in range(start, end)).
+    num_prefill_seqs: int = 0
+    decode_context: int = 0
+    prefill_attention: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +210,8 @@ class Engine:
             admission=self._admitted,
             detok=self._detokenizer(prepared.prompt_ids, params),
             pending_children=n - 1,
+            # The first prompt token has no logprob: nothing precedes it.
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else [],
         )
         self._admitted += 1
         self.requests[rid] = req
@@ -223,6 +259,7 @@ class Engine:
                 group=parent.group,
                 index=i,
                 num_cached_prompt=parent.num_cached_prompt,
+                prompt_logprobs=list(parent.prompt_logprobs),
             )
             self.requests[child.request_id] = child
             self._groups[parent.group].append(child)
@@ -284,15 +321,23 @@ class Engine:
         schedule = self.scheduler.schedule()
         if not schedule.scheduled:
             return StepResult(self.num_steps, (), self._ids(schedule.preempted), 0, 0)
-        batch, samplers = self._build_batch(schedule)
+        batch, samplers, sample_rows, prompt = self._build_batch(schedule)
         try:
-            logits = self.model.forward(batch)  # [len(samplers), vocab]
-            prefill, decode = self._advance(schedule)
+            # The stub can name greedy tokens without vocabulary-wide logits (simulation
+            # speed); it returns exactly the argmax the sampler would take.
+            direct = self._pick_directly(batch, samplers, prompt)
+            logits = self.model.forward(batch) if direct is None else torch.empty(0)
+            if prompt.rows:
+                self._score_prompt(logits, prompt)
+                logits = logits[torch.tensor(sample_rows, dtype=torch.long, device=logits.device)]
+            work = self._advance(schedule)
             rows = self._fork_rows(samplers)
-            if len(rows) > len(samplers):
+            picked = None if direct is None else SampleOutput(
+                [direct[i] for i, _ in rows], [None] * len(rows))
+            if len(rows) > len(samplers) and picked is None:
                 logits = logits[torch.tensor([i for i, _ in rows], device=logits.device)]
             reqs = [r for _, r in rows]
-            drawn = sample(
+            drawn = picked if picked is not None else sample(
                 logits,
                 [
                     SamplingRow(r.params, r.seed, r.num_output, r.prompt_ids, r.output_ids)
@@ -310,26 +355,44 @@ class Engine:
                 for u in self._finish_all(r, FinishReason.ERROR, f"step failed: {exc!r}")
             )
             return StepResult(self.num_steps, updates, self._ids(schedule.preempted), 0, 0)
-        self._prefill_tokens += prefill
-        self._decode_tokens += decode
+        self._prefill_tokens += work.prefill
+        self._decode_tokens += work.decode
         done = tuple(
             self._update(req, tok, lp)
             for req, tok, lp in zip(reqs, drawn.token_ids, drawn.logprobs, strict=True)
         )
-        return StepResult(self.num_steps, done, self._ids(schedule.preempted), prefill, decode)
+        return StepResult(self.num_steps, done, self._ids(schedule.preempted), work.prefill,
+                          work.decode, work.prefill_seqs, work.decode_context,
+                          work.prefill_attention)
 
-    def _advance(self, schedule: Schedule) -> tuple[int, int]:
+    def _advance(self, schedule: Schedule) -> _Work:
         """Count the step's tokens as computed and name the blocks they filled."""
-        prefill = decode = 0
+        w = _Work()
         for s in schedule.scheduled:
             req = s.request
-            if req.num_output > 0 and req.num_computed == req.num_tokens - 1:
-                decode += s.num_tokens
+            start = req.num_computed
+            end = start + s.num_tokens
+            if req.num_output > 0 and start == req.num_tokens - 1:
+                w.decode += s.num_tokens
+                w.decode_context += end
             else:
-                prefill += s.num_tokens
-            req.num_computed += s.num_tokens
+                w.prefill += s.num_tokens
+                w.prefill_seqs += 1
+                w.prefill_attention += (end * (end + 1) - start * (start + 1)) // 2
+            req.num_computed = end
             self.kv.commit(req)
-        return prefill, decode
+        return w
+
+    def _pick_directly(
+        self, batch: ForwardBatch, samplers: list[Request], prompt: _PromptRows
+    ) -> list[int] | None:
+        """The model's own greedy picks (one per logits row), when it offers them and every
+        row would take a plain argmax: greedy, no logprobs, nothing that edits logits."""
+        pick = getattr(self.model, "pick_greedy", None)
+        if pick is None or prompt.rows or not all(_plain_greedy(r.params) for r in samplers):
+            return None
+        picked: list[int] = pick(batch)
+        return picked
 
     def _fork_rows(self, samplers: list[Request]) -> list[tuple[int, Request]]:
         """(logits row, request) for every draw this step: a request that has just computed
@@ -341,13 +404,39 @@ class Engine:
                 rows += [(i, c) for c in self._fork(r) if c.num_computed]
         return rows
 
-    def _build_batch(self, schedule: Schedule) -> tuple[ForwardBatch, list[Request]]:
+    def _score_prompt(self, logits: torch.Tensor, prompt: _PromptRows) -> None:
+        """Append this step's prompt logprobs to their requests, in position order."""
+        idx = torch.tensor(prompt.rows, device=logits.device)
+        targets = torch.tensor(prompt.targets, device=logits.device)
+        ks = [r.params.prompt_logprobs or 0 for r in prompt.requests]
+        for req, lp in zip(
+            prompt.requests, token_logprobs(logits[idx], targets, ks), strict=True
+        ):
+            req.prompt_logprobs.append(lp)
+
+    def _build_batch(
+        self, schedule: Schedule
+    ) -> tuple[ForwardBatch, list[Request], list[int], _PromptRows]:
+        """The step's batch; the requests that sample, and their rows in the logits; and the
+        rows that score prompt tokens. Logits rows stay in flat token order (the stub needs
+        that), so a request's prompt rows come before its sampling row."""
         bs = self.pool.block_size
         b = ForwardBatch([], [], [], [], [], [], [], [], [])
         samplers: list[Request] = []
+        sample_rows: list[int] = []
+        prompt = _PromptRows([], [], [])
         for s in schedule.scheduled:
             req = s.request
             start, end = req.num_computed, req.num_computed + s.num_tokens
+            if req.needs_prompt_logprobs:
+                # The logits at position p score prompt token p + 1. Positions already
+                # scored before a preemption are not scored again.
+                first = max(start, len(req.prompt_logprobs) - 1)
+                for p in range(first, min(end, req.num_prompt - 1)):
+                    prompt.rows.append(len(b.logits_indices))
+                    prompt.targets.append(req.token_ids[p + 1])
+                    prompt.requests.append(req)
+                    b.logits_indices.append(len(b.input_ids) + p - start)
             b.input_ids.extend(req.token_ids[start:end])
             b.positions.extend(range(start, end))
             blocks = req.blocks
@@ -361,9 +450,10 @@ class Engine:
             group_seed = self._group_params[req.group].seed
             b.seeds.append(group_seed if group_seed is not None else 0)
             if s.samples:
+                sample_rows.append(len(b.logits_indices))
                 b.logits_indices.append(len(b.input_ids) - 1)
                 samplers.append(req)
-        return b, samplers
+        return b, samplers, sample_rows, prompt
 
     def _update(self, req: Request, token: int, logprobs: object) -> Update:
         """Append a sampled token and decide whether the request is done."""
@@ -395,6 +485,7 @@ class Engine:
             num_output_tokens=req.num_output,
             num_cached_tokens=req.num_cached_prompt,
             logprobs=(req.logprobs[-1],),
+            prompt_logprobs=self._prompt_logprobs(req),
         )
 
     def _finish(
@@ -438,7 +529,15 @@ class Engine:
             num_output_tokens=req.num_output,
             num_cached_tokens=req.num_cached_prompt,
             logprobs=tuple(req.logprobs[-len(new_tokens) :]) if new_tokens else (),
+            prompt_logprobs=self._prompt_logprobs(req) if new_tokens else None,
         )
+
+    @staticmethod
+    def _prompt_logprobs(req: Request) -> tuple[TokenLogprobs | None, ...] | None:
+        """The prompt's logprobs, on the update of the first output token only."""
+        if req.params.prompt_logprobs is None or req.num_output != 1:
+            return None
+        return tuple(req.prompt_logprobs)
 
     # -- introspection ---------------------------------------------------------------------------
 

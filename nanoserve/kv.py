@@ -190,7 +190,11 @@ class KVManager:
 
     def find_prefix(self, req: Request) -> list[int]:
         """Cached blocks that can stand in for the start of a new request's tokens. At least
-        one token is always left to compute: the step that computes it yields the logits."""
+        one token is always left to compute: the step that computes it yields the logits.
+        A request still owing prompt logprobs gets none (as in vLLM): a hit would skip the
+        very positions whose logits it asked for."""
+        if req.needs_prompt_logprobs:
+            return []
         return self.pool.lookup_prefix(req.token_ids, (req.num_tokens - 1) // self.block_size)
 
     def allocate(self, req: Request, num_new: int, hits: Sequence[int] = ()) -> bool:

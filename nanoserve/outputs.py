@@ -33,6 +33,8 @@ class RequestOutput:
     prompt_token_ids: tuple[int, ...]
     outputs: tuple[CompletionOutput, ...]
     num_cached_tokens: int = 0
+    # With params.prompt_logprobs: one entry per prompt token, None for the first (vLLM's).
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
     @property
     def token_ids(self) -> tuple[int, ...]:
@@ -70,12 +72,15 @@ class OutputBuilder:
         self.prompt_ids = tuple(prompt_ids)
         self._acc = [_Acc() for _ in range(n)]
         self.num_cached_tokens = 0
+        self.prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
     def add(self, u: Update) -> None:
         a = self._acc[u.index]
         a.token_ids.extend(u.new_token_ids)
         a.text.append(u.text)
         a.logprobs.extend(u.logprobs)
+        if u.prompt_logprobs is not None:  # every completion carries the same ones
+            self.prompt_logprobs = u.prompt_logprobs
         if u.finished:
             a.finished = True
             a.finish_reason, a.stop_reason, a.error = u.finish_reason, u.stop_reason, u.error
@@ -91,4 +96,5 @@ class OutputBuilder:
                              a.stop_reason, tuple(a.logprobs), a.error)
             for i, a in enumerate(self._acc)
         )
-        return RequestOutput(self.request_id, self.prompt_ids, outs, self.num_cached_tokens)
+        return RequestOutput(self.request_id, self.prompt_ids, outs, self.num_cached_tokens,
+                             self.prompt_logprobs)

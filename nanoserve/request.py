@@ -56,12 +56,23 @@ class Request:
     # Completions not yet forked from this one: they come into being, sharing its prompt
     # blocks, at the step that computes its last prompt token.
     pending_children: int = 0
+    # With params.prompt_logprobs: one entry per prompt token computed so far, None for the
+    # first (nothing precedes it). Kept across preemption, so a recompute adds none twice.
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_ids)
         if not self.group:
             self.group = self.request_id
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt logprobs are asked for and not all computed yet."""
+        return (
+            self.params.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < len(self.prompt_ids)
+        )
 
     @property
     def num_prompt(self) -> int:
@@ -100,3 +111,6 @@ class Update:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     logprobs: tuple[TokenLogprobs | None, ...] = ()
+    # The prompt's logprobs (first entry None), on the update carrying the first output
+    # token, when params.prompt_logprobs asked for them; None on every other update.
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None

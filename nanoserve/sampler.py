@@ -259,6 +259,28 @@ def _filter_and_draw(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tens
     return draw(x, u)
 
 
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, ks: Sequence[int]
+) -> list[TokenLogprobs]:
+    """Raw logprobs of `tokens` under `logits`, with each row's ks[i] best alternatives.
+    logits: [L, V] any float dtype; tokens: [L]. Used for sampled tokens and prompt tokens."""
+    if logits.shape[0] == 0:
+        return []
+    lp = logits.float().log_softmax(dim=-1)  # [L, V]
+    chosen = tokens[:, None]  # [L, 1]
+    chosen_lp = lp.gather(1, chosen)  # [L, 1]
+    rank = (lp > chosen_lp).sum(dim=-1) + 1  # [L]; ties share the better rank
+    k = min(max(ks), lp.shape[1])
+    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], chosen[:, :0])  # [L, k]
+    tv, ti = top_v.tolist(), top_i.tolist()  # one host copy for all rows
+    return [
+        TokenLogprobs(c, c_lp, rk, tuple(zip(ti[j][:n], tv[j][:n], strict=True)))
+        for j, (n, c, c_lp, rk) in enumerate(
+            zip(ks, chosen[:, 0].tolist(), chosen_lp[:, 0].tolist(), rank.tolist(), strict=True)
+        )
+    ]
+
+
 def _logprobs(
     logits: torch.Tensor, rows: Sequence[SamplingRow], tokens: torch.Tensor
 ) -> list[TokenLogprobs | None]:
@@ -268,18 +290,12 @@ def _logprobs(
     if not want:
         return out
     idx = torch.tensor(want, dtype=torch.long, device=logits.device)
-    lp = logits.index_select(0, idx).float().log_softmax(dim=-1)  # [L, V]
-    chosen = tokens.index_select(0, idx)[:, None]  # [L, 1]
-    chosen_lp = lp.gather(1, chosen)  # [L, 1]
-    rank = (lp > chosen_lp).sum(dim=-1) + 1  # [L]; ties share the better rank
-    k = min(max(rows[i].params.logprobs or 0 for i in want), lp.shape[1])
-    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], chosen[:, :0])  # [L, k]
-    tv, ti = top_v.tolist(), top_i.tolist()
-    for j, (i, c, c_lp, rk) in enumerate(
-        zip(want, chosen[:, 0].tolist(), chosen_lp[:, 0].tolist(), rank.tolist(), strict=True)
-    ):
-        n = rows[i].params.logprobs or 0
-        out[i] = TokenLogprobs(c, c_lp, rk, tuple(zip(ti[j][:n], tv[j][:n], strict=True)))
+    got = token_logprobs(
+        logits.index_select(0, idx), tokens.index_select(0, idx),
+        [rows[i].params.logprobs or 0 for i in want],
+    )
+    for i, lp in zip(want, got, strict=True):
+        out[i] = lp
     return out
 
 

@@ -88,6 +88,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None
+    # vLLM's prompt_logprobs: the logprob of every prompt token after the first given the
+    # ones before it, with this many top alternatives. It costs logits at every prompt
+    # position (normally only the last), and such a request skips the prefix cache.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n, 1, MAX_N, f"in [1, {MAX_N}]")
@@ -127,6 +131,11 @@ class SamplingParams:
         if self.logprobs is not None:
             self.logprobs = _int(
                 "logprobs", self.logprobs, 0, MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}] (or null)"
+            )
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _int(
+                "prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS,
+                f"in [0, {MAX_LOGPROBS}] (or null)",
             )
 
     def check_context(self, *, vocab_size: int, max_model_len: int, prompt_len: int) -> None:

@@ -91,11 +91,22 @@ class StubModel:
         """The row's candidates, best first: what its logits rank highest."""
         return self._candidates(len(history), history[-4:], seed)
 
+    @staticmethod
+    def _hash(length: int, tail: Sequence[int], seed: int) -> int:
+        # _mix(_mix(... _mix(seed) ^ length) ^ t ...), with _mix inlined: this runs once
+        # per simulated token, millions of times in a capacity sweep.
+        m = _MASK
+        h = seed & m
+        for x in (0, length, *tail):  # the first round is _mix(seed ^ 0)
+            h ^= x & m
+            h = (h + 0x9E3779B97F4A7C15) & m
+            h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & m
+            h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & m
+            h ^= h >> 31
+        return h
+
     def _candidates(self, length: int, tail: Sequence[int], seed: int) -> list[int]:
-        h = _mix(seed & _MASK)
-        h = _mix(h ^ length)
-        for t in tail:
-            h = _mix(h ^ (t & _MASK))
+        h = self._hash(length, tail, seed)
         pool = self._vocab_pool
         out: list[int] = []
         if (h & 0xFFFFFFFF) < self._eos_cut:
@@ -113,6 +124,42 @@ class StubModel:
             if t not in out:
                 out.append(t)
         return out[:_NUM_CANDIDATES]
+
+    def _top(self, length: int, tail: Sequence[int], seed: int) -> int:
+        """`_candidates(...)[0]` without the runners-up: the same three cases in order."""
+        h = self._hash(length, tail, seed)
+        if (h & 0xFFFFFFFF) < self._eos_cut:
+            return self._eos
+        follow = self._next.get(tail[-1] if tail else -1)
+        if follow is not None and (h >> 32) % 4 != 0:
+            return follow
+        pool = self._vocab_pool
+        return pool[_mix(h) % len(pool)]
+
+    def pick_greedy(self, batch: ForwardBatch) -> list[int]:
+        """The argmax of each row `forward` would return, without building [R, vocab]
+        logits: the engine's fast path when every row is plain greedy. Simulation runs
+        millions of such rows, and the logits tensor and its argmax were most of a step."""
+        out: list[int] = []
+        for row, upto in self._logits_rows(batch):
+            hist = batch.histories[row]
+            out.append(self._top(upto, hist[max(0, upto - 4) : upto], batch.seeds[row]))
+        return out
+
+    def _logits_rows(self, batch: ForwardBatch) -> list[tuple[int, int]]:
+        """(row, history length up to and including the token) for each logits index."""
+        ends: list[int] = []
+        acc = 0
+        for q in batch.query_lens:
+            acc += q
+            ends.append(acc)
+        out: list[tuple[int, int]] = []
+        r = 0
+        for idx in batch.logits_indices:
+            while ends[r] <= idx:
+                r += 1
+            out.append((r, batch.context_lens[r] - (ends[r] - 1 - idx)))
+        return out
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         # Map each wanted flat index to its row: rows are laid out in order.

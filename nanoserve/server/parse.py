@@ -77,9 +77,6 @@ def completion(body: Mapping[str, Any], served: str) -> GenerateRequest:
     prompts = _prompts(body.get("prompt"))
     echo = opt_bool(body, "echo", False)
     logprobs = body.get("logprobs")
-    if echo and logprobs is not None:
-        raise bad_request("echo", "echo with logprobs is not supported yet (it needs the "
-                          "prompt's logprobs, which the engine does not compute)")
     best_of = body.get("best_of")
     if best_of is not None and best_of != (body.get("n") or 1):
         raise bad_request("best_of", "best_of other than n is not supported")
@@ -87,6 +84,8 @@ def completion(body: Mapping[str, Any], served: str) -> GenerateRequest:
     fields["max_tokens"] = body.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
     if logprobs is not None:
         fields["logprobs"] = logprobs
+        if echo:  # the echoed prompt comes with its own logprobs, as in OpenAI's and vLLM's
+            fields["prompt_logprobs"] = logprobs
     stream, usage = _stream(body)
     return GenerateRequest(prompts, _params(fields), stream, usage, echo)
 

@@ -65,6 +65,11 @@ class TokenText:
         return self.get(token_id)[1]
 
 
+# One token of a logprobs list: its id, and its logprobs, or None for the first token of an
+# echoed prompt (nothing precedes it, so the API reports null for it).
+Entry = tuple[int, TokenLogprobs | None]
+
+
 def _finite(x: float) -> float:
     # JSON has no -Infinity; a masked token's logprob is reported as a very small number.
     return x if math.isfinite(x) else -9999.0
@@ -73,28 +78,32 @@ def _finite(x: float) -> float:
 @dataclass(slots=True)
 class Choice:
     """One completion (one index) as it accumulates. `pending` holds the logprobs of tokens
-    not yet sent in a chunk; tokens whose text is held back send no chunk of their own."""
+    not yet sent in a chunk; tokens whose text is held back send no chunk of their own.
+    With echo and logprobs, the prompt's logprobs come on the update of the first output
+    token and go first, so they ride on the first chunk with the echoed text."""
 
     index: int
     prefix: str = ""  # echoed prompt text, sent with the first chunk
+    prompt_ids: tuple[int, ...] = ()  # names the first prompt token, which has no logprobs
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    pending: list[TokenLogprobs] = field(default_factory=list)
-    offset: int = 0  # text_offset of the next token (completions logprobs)
+    logprobs: list[Entry] = field(default_factory=list)
+    pending: list[Entry] = field(default_factory=list)
+    offset: int = 0  # text_offset of the next token: runs over the echoed prompt's tokens too
     sent_any: bool = False
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
-    def __post_init__(self) -> None:
-        self.offset = len(self.prefix)  # offsets count the echoed prompt too
-
     def add(self, u: Update) -> bool:
         """Fold one update in; True when it deserves a chunk (it has text or a finish)."""
         self.token_ids.extend(u.new_token_ids)
         self.text.append(u.text)
-        got = [lp for lp in u.logprobs if lp is not None]
+        got: list[Entry] = []
+        if u.prompt_logprobs is not None:
+            got += [(lp.token_id if lp is not None else self.prompt_ids[0], lp)
+                    for lp in u.prompt_logprobs]
+        got += [(lp.token_id, lp) for lp in u.logprobs if lp is not None]
         self.logprobs.extend(got)
         self.pending.extend(got)
         if u.finished:
@@ -139,7 +148,7 @@ class Shapes:
     def response(self, choices: list[Choice], usage: Json) -> Json:
         out = []
         for c in choices:
-            lps, _ = self._logprobs(c.logprobs, len(c.prefix))
+            lps, _ = self._logprobs(c.logprobs, 0)
             text = c.prefix + "".join(c.text)
             body: Json = (
                 {"message": {"role": "assistant", "content": text}}
@@ -157,25 +166,33 @@ class Shapes:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices}
 
-    def _logprobs(self, lps: list[TokenLogprobs], offset: int) -> tuple[Json | None, int]:
-        """The logprobs object for `lps`, whose first token starts at `offset` in the text;
-        returns it with the offset after the last token."""
+    def _logprobs(self, entries: list[Entry], offset: int) -> tuple[Json | None, int]:
+        """The logprobs object for `entries`, whose first token starts at `offset` in the
+        text; returns it with the offset after the last token."""
         if not self.logprobs:
             return None, offset
-        if self.kind == "chat":
-            return {"content": [self._chat_entry(lp) for lp in lps]}, offset
-        tokens, offsets, tops = [], [], []
-        for lp in lps:
-            s = self.tokens.text(lp.token_id)
+        if self.kind == "chat":  # no echo in chat: every entry has its logprobs
+            return {"content": [self._chat_entry(lp) for _, lp in entries if lp]}, offset
+        tokens: list[str] = []
+        offsets: list[int] = []
+        values: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        for token_id, lp in entries:
+            s = self.tokens.text(token_id)
             tokens.append(s)
             offsets.append(offset)
             offset += len(s)
+            if lp is None:
+                values.append(None)
+                tops.append(None)
+                continue
+            values.append(_finite(lp.logprob))
             # The OpenAI completions API: the top alternatives *and* the chosen token.
             top = {self.tokens.text(t): _finite(v) for t, v in lp.top}
             top.setdefault(s, _finite(lp.logprob))
             tops.append(top)
-        return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in lps],
-                "top_logprobs": tops, "text_offset": offsets}, offset
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+                "text_offset": offsets}, offset
 
     def _chat_entry(self, lp: TokenLogprobs) -> Json:
         raw, s = self.tokens.get(lp.token_id)

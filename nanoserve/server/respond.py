@@ -23,6 +23,7 @@ from quart import Response, current_app
 from quart.wrappers.response import ResponseBody
 
 from nanoserve.engine import Prepared
+from nanoserve.server import recording
 from nanoserve.server.errors import ApiError
 from nanoserve.server.jobs import Ended, Item, Job, Registry
 from nanoserve.server.render import Choice, Json, Shapes, usage
@@ -69,6 +70,7 @@ async def respond(
     headers: dict[str, str],
 ) -> Response:
     job = registry.open(shapes.id, prepared, nursery)
+    recording.link(job)  # serve --record: which engine requests this exchange became
     try:
         first = await job.next()
         err = failure(first)
@@ -77,7 +79,10 @@ async def respond(
     except BaseException:  # a client gone before the first token is a stopped request too
         job.close()
         raise
-    choices = [Choice(i, prefix=prefixes[i // job.n]) for i in range(len(prepared) * job.n)]
+    choices = [
+        Choice(i, prefix=prefixes[i // job.n], prompt_ids=tuple(prepared[i // job.n].prompt_ids))
+        for i in range(len(prepared) * job.n)
+    ]
     if stream:
         body = SseBody(job, _sse(job, shapes, choices, first, include_usage))
         resp: Response = current_app.response_class(
