@@ -3,19 +3,33 @@
 The workload is built exactly as ../shared/bench/hf_peer.py builds it (same seeded
 generator, same draws in the same order), so the two programs' figures compare like for
 like: greedy, EOS ignored, every request yields exactly its drawn output length.
+
+Absolute figures on a shared CPU drift with whatever else runs, so every figure comes with
+a yardstick measured in the same process, right before it: the compute throughput against
+a 2048 x 2048 float32 `torch.mm` (the fraction of that peak the whole run sustains, counting
+2 FLOP per weight per computed token, prompt and output), and batch-1 decode against the
+memory-bandwidth bound (every weight read once per token, at the bandwidth of a large
+tensor copy). `--pack off` runs the same workload without pre-packed weights, for an
+old-versus-new comparison.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import time
+from collections.abc import Callable
+
+import torch
 
 from nanoserve.config import EngineConfig
+from nanoserve.engine import Engine
 from nanoserve.llm import LLM
-from nanoserve.model import load
+from nanoserve.model import Model, load
 from nanoserve.sampling import SamplingParams
+from nanoserve.tokenizer import Tokenizer
 
 
 def workload(
@@ -42,24 +56,93 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--pack", choices=("auto", "on", "off"), default="auto",
+                   help="pre-packed MKL weights (auto: wherever available)")
+    p.add_argument("--profile", action="store_true",
+                   help="print where the run's CPU time goes, by operator (slows the run)")
+    p.add_argument("--single-tokens", type=int, default=64,
+                   help="output tokens of the batch-1 decode measurement (0 skips it)")
+
+
+def _best_of(fn: Callable[[], object], times: int) -> float:
+    fn()  # warm-up: first-touch page faults and kernel selection
+    best = float("inf")
+    for _ in range(times):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def mm_flops(n: int = 2048) -> float:
+    """FLOP/s of one n x n float32 matmul: the compute yardstick."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    return 2 * n**3 / _best_of(lambda: torch.mm(a, b), 5)
+
+
+def copy_bandwidth(nbytes: int = 256 << 20) -> float:
+    """Bytes/s moved (read plus write) by copying a tensor far larger than any cache."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _best_of(lambda: dst.copy_(src), 5)
+
+
+def weight_numel(model: Model) -> int:
+    """Weights a token multiplies by: every layer's projections and the LM head (the
+    embedding is a row look-up). 2 FLOP and one read of each per token."""
+    c = model.config
+    attn = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    attn += c.num_heads * c.head_dim * c.hidden_size
+    mlp = 3 * c.hidden_size * c.intermediate_size
+    return c.num_layers * (attn + mlp) + c.vocab_size * c.hidden_size
+
+
+def single_stream(model: Model, tok: Tokenizer, prompt: list[int], n: int) -> float:
+    """Decode tokens/s of one sequence alone (after its prefill step)."""
+    engine = Engine(model, tok, EngineConfig())
+    engine.add_request(prompt, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n))
+    engine.step()  # the prefill, and the first token
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    return (n - 1) / (time.perf_counter() - t0)
+
+
+def _load(a: argparse.Namespace) -> tuple[Model, Tokenizer]:
+    if a.pack == "auto" or a.model == "stub":
+        return load(a.model, device=a.device, dtype=a.dtype)
+    from nanoserve.model.llama import LlamaModel
+    from nanoserve.model.loader import resolve_model
+
+    folder = resolve_model(a.model)
+    dtype = getattr(torch, a.dtype)
+    model = LlamaModel.from_folder(folder, a.device, dtype, pack_weights=a.pack == "on")
+    return model, Tokenizer.from_folder(folder)
 
 
 def run(a: argparse.Namespace) -> dict[str, float | int]:
-    model, tok = load(a.model, device=a.device, dtype=a.dtype)
+    model, tok = _load(a)
     cfg = EngineConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens)
     llm = LLM.from_parts(model, tok, cfg)
     reqs = workload(a.seed, a.n, model.config.vocab_size, a.prompt_min, a.prompt_max,
                     a.out_min, a.out_max)
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=o) for _, o in reqs]
-    t0 = time.perf_counter()
-    outs = llm.generate([p for p, _ in reqs], params)
-    seconds = time.perf_counter() - t0
+    peak = mm_flops()
+    with contextlib.ExitStack() as stack:
+        prof = stack.enter_context(torch.profiler.profile()) if a.profile else None
+        t0 = time.perf_counter()
+        outs = llm.generate([p for p, _ in reqs], params)
+        seconds = time.perf_counter() - t0
+    if prof is not None:
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
     produced = sum(len(o.token_ids) for o in outs)
     expected = sum(o for _, o in reqs)
     if produced != expected:
         raise RuntimeError(f"produced {produced} output tokens, the workload asks for {expected}")
     prompt_tokens = sum(len(p) for p, _ in reqs)
     stats = llm.engine.statistics()
+    computed = stats.prefill_tokens + stats.decode_tokens  # tokens that went through the model
+    flops = 2 * weight_numel(model) * computed / seconds
     result: dict[str, float | int] = {
         "requests": len(reqs),
         "output_tokens": produced,
@@ -69,8 +152,27 @@ def run(a: argparse.Namespace) -> dict[str, float | int]:
         "total_tokens_per_s": round((produced + prompt_tokens) / seconds, 2),
         "steps": stats.steps,
         "preemptions": stats.preemptions,
+        "computed_tokens": computed,
+        "model_gflops": round(flops / 1e9, 1),
+        "mm2048_gflops": round(peak / 1e9, 1),
+        "fraction_of_mm_peak": round(flops / peak, 3),
     }
     print(f"nanoserve: {produced} output tokens in {seconds:.2f}s = "
-          f"{produced / seconds:.1f} tok/s ({stats.steps} steps)")
+          f"{produced / seconds:.1f} tok/s ({stats.steps} steps); {computed} computed tokens "
+          f"at {flops / 1e9:.1f} GFLOP/s = {flops / peak:.0%} of a 2048 mm's "
+          f"{peak / 1e9:.1f} GFLOP/s")
+    if a.single_tokens > 1 and a.model != "stub":
+        bw = copy_bandwidth()
+        elem = torch.empty((), dtype=getattr(torch, a.dtype)).element_size()
+        weight_bytes = weight_numel(model) * elem
+        bound = bw / weight_bytes
+        single = single_stream(model, tok, reqs[0][0][:32], a.single_tokens)
+        result |= {"single_decode_tokens_per_s": round(single, 2),
+                   "copy_gbytes_per_s": round(bw / 1e9, 2),
+                   "bandwidth_bound_tokens_per_s": round(bound, 2),
+                   "bound_over_single": round(bound / single, 2)}
+        print(f"batch 1: {single:.1f} decode tok/s; bandwidth bound {bound:.1f} tok/s "
+              f"({weight_bytes / 1e6:.0f} MB of weights at {bw / 1e9:.1f} GB/s), "
+              f"{bound / single:.2f}x away")
     print(json.dumps(result))
     return result

@@ -174,6 +174,29 @@ def test_tiny_copy_blocks_copies_kv(tiny: tuple[LlamaModel, Any]) -> None:
     assert model.kv_bytes_per_block(4) == 2 * 2 * 4 * 2 * 16 * 4
 
 
+def test_tiny_decode_groups_and_packed_weights_keep_the_logits(
+    tiny: tuple[LlamaModel, Any],
+) -> None:
+    """Decode rows of many lengths, attended in groups of one or two rows (a tiny group
+    budget) by a model with packed weights, against one group and plain weights, and HF."""
+    model, hf = tiny
+    gen = random.Random(2)
+    prompts = {f"s{i}": [gen.randrange(101) for _ in range(n)]
+               for i, n in enumerate((3, 40, 17, 9, 26, 5, 33, 12, 21, 8))}
+    plain = LlamaModel(model.config, dict(hf.state_dict()), pack_weights=False)
+    runs = []
+    for m, group_bytes in ((model, 2 * 40 * 2 * 16 * 4), (plain, 1 << 30)):
+        m.decode_group_bytes = group_bytes  # row bytes per slot: KV 2 * D 16 * 4
+        runner = PagedRunner(m, num_blocks=120, block_size=4, seed=3)
+        runner.step([(s, p[:-1]) for s, p in prompts.items()])
+        runs.append(runner.step([(s, p[-1:]) for s, p in prompts.items()]))
+    model.decode_group_bytes = 1 << 20
+    assert model.pack_weights
+    for s, a, b in zip(prompts, *runs, strict=True):
+        assert _max_diff(a, b) < 1e-5
+        assert _max_diff(a, _hf_logits(hf, prompts[s])[-1:]) < 1e-4
+
+
 # ---- SmolLM2 against the oracle ------------------------------------------------------------
 
 @pytest.fixture(scope="module")

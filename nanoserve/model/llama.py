@@ -2,14 +2,17 @@
 
 One step's tokens (whole or partial prompts and single decode tokens, concatenated) go
 through every layer's projections and MLP as one [T, hidden] matrix, which is where almost
-all the flops are. Only attention cares which sequence a token belongs to. Each token's K/V
-is first written to its cache slot, and then every row reads its whole context back from the
-cache through its block table, so a chunked prefill, a resumed sequence and a decode step
-are the same computation. Decode rows (one query each) are batched into one attention
-call: their contexts are gathered into a padded [Bd, S] slot grid and masked by length.
-Rows with several queries (prefill chunks) are done one by one with a causal mask offset by
-what is already cached. Grouped-query attention never repeats the KV heads: the G query
-heads that share a KV head are laid out as that head's queries.
+all the flops are (model/linear.py: pre-packed weights). Only attention cares which sequence
+a token belongs to. Each token's K/V is first written to its cache slot, and then every row
+reads its whole context back from the cache through its block table, so a chunked prefill,
+a resumed sequence and a decode step are the same computation; only a first prefill chunk,
+whose context is exactly what this step computed, reads its K/V straight from the step.
+Decode rows (one query each) are batched into attention calls by groups of rows of similar
+length: each group's context blocks are gathered into a padded [g, S] slot grid, masked by
+length, and attended to while the copy is still in cache. Rows with several queries
+(prefill chunks) are done one by one with a causal mask offset by what is already cached.
+Grouped-query attention never repeats the KV heads: the G query heads that share a KV head
+are laid out as that head's queries.
 """
 
 from __future__ import annotations
@@ -23,17 +26,18 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from nanoserve.model.base import ForwardBatch, ModelConfig
+from nanoserve.model.linear import Proj, mkl_packing_available
 from nanoserve.model.loader import load_model_config
 
 
 @dataclass(slots=True)
 class _Layer:
     attn_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [hidden, (H + 2 KV) * D]: q, k and v projections fused, transposed
-    o: torch.Tensor  # [H * D, hidden]
+    qkv: Proj  # hidden -> (H + 2 KV) * D: q, k and v projections fused
+    o: Proj  # H * D -> hidden
     mlp_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [hidden, 2 I]: gate and up projections fused, transposed
-    down: torch.Tensor  # [I, hidden]
+    gate_up: Proj  # hidden -> 2 I: gate and up projections fused
+    down: Proj  # I -> hidden
 
 
 @dataclass(slots=True)
@@ -47,6 +51,21 @@ class _Prefill:
     mask: torch.Tensor | None
 
 
+# Decode rows gather their context in groups of about this many bytes of K (and as many of
+# V), each group's attention computed right after its gather, while the copy is still in
+# cache: gathering the whole batch first wrote 15 MB per layer at 32 rows of 300 tokens and
+# read it back from memory. A group is also padded only to its own longest row.
+_DECODE_GROUP_BYTES = 1 << 20
+
+
+@dataclass(slots=True)
+class _DecodeGroup:
+    tokens: torch.Tensor  # [g] flat token index of each row
+    blocks: torch.Tensor  # [g * W] the rows' block tables, padded to the group's longest row
+    mask: torch.Tensor  # [g, 1, 1, W * block_size] bool, True at a row's context positions
+    width: int  # W
+
+
 @dataclass(slots=True)
 class _Plan:
     """Everything a step needs besides the weights, built once and shared by all layers."""
@@ -56,19 +75,19 @@ class _Plan:
     cos: torch.Tensor  # [T, 1, D]
     sin: torch.Tensor  # [T, 1, D]
     logits_indices: torch.Tensor  # [R]
-    decode_tokens: torch.Tensor | None  # [Bd] flat token index of each decode row
-    decode_blocks: torch.Tensor | None  # [Bd, W] block tables, padded to the longest row
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, W * block_size] bool
+    decode: list[_DecodeGroup]
     prefills: list[_Prefill]
-    # Gather buffers reused by every layer: fresh ones each layer cost page faults that
-    # took longer than the copy itself.
-    k_buf: torch.Tensor | None = None  # [Bd * W, bs * KV * D]
+    # Gather buffers reused by every group and layer: fresh ones each layer cost page faults
+    # that took longer than the copy itself.
+    k_buf: torch.Tensor | None = None  # [max group g * W, bs * KV * D]
     v_buf: torch.Tensor | None = None
 
 
-def _t(w: torch.Tensor) -> torch.Tensor:
-    """[out, in] -> [in, out], contiguous."""
-    return w.t().contiguous()
+def load_weights(folder: str | Path) -> dict[str, torch.Tensor]:
+    weights: dict[str, torch.Tensor] = {}
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        weights.update(load_file(str(path)))
+    return weights
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -93,33 +112,38 @@ class LlamaModel:
         *,
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
+        pack_weights: bool | None = None,
     ) -> None:
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
+        if pack_weights is None:  # wherever it is possible
+            pack_weights = (self.device.type == "cpu" and dtype == torch.float32
+                            and mkl_packing_available())
+        self.pack_weights = pack_weights
+        self.decode_group_bytes = _DECODE_GROUP_BYTES
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=self.device, dtype=dtype)
 
         self.embed = w("model.embed_tokens.weight")  # [vocab, hidden]
         self.norm = w("model.norm.weight")
-        self.lm_head = (  # [vocab, hidden]
-            self.embed if config.tie_word_embeddings else w("lm_head.weight")
-        )
+        head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
+        self.lm_head = Proj(head, pack=pack_weights)  # hidden -> vocab
         self.layers: list[_Layer] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-            # Projections are stored transposed, [in, out] and contiguous: `h @ W` then beats
-            # `F.linear(h, W)` by 20-40% at decode batch sizes on this CPU (measured with
-            # M = 1 and 32 rows); at prefill sizes the two are the same.
+
+            def proj(*names: str, p: str = p) -> Proj:  # several: fused along the output
+                return Proj(torch.cat([w(p + n + ".weight") for n in names]), pack=pack_weights)
+
             self.layers.append(_Layer(
                 attn_norm=w(p + "input_layernorm.weight"),
-                qkv=_t(torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"])),
-                o=_t(w(p + "self_attn.o_proj.weight")),
+                qkv=proj("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                o=proj("self_attn.o_proj"),
                 mlp_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=_t(torch.cat([w(p + "mlp.gate_proj.weight"),
-                                      w(p + "mlp.up_proj.weight")])),
-                down=_t(w(p + "mlp.down_proj.weight")),
+                gate_up=proj("mlp.gate_proj", "mlp.up_proj"),
+                down=proj("mlp.down_proj"),
             ))
         # RoPE angles for every position, once: pos * theta^(-2i/D) in float32 (the product
         # is exact to one rounding, as in the reference), duplicated for rotate_half.
@@ -135,13 +159,11 @@ class LlamaModel:
 
     @classmethod
     def from_folder(
-        cls, folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32
+        cls, folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
+        pack_weights: bool | None = None,
     ) -> LlamaModel:
-        folder = Path(folder)
-        weights: dict[str, torch.Tensor] = {}
-        for path in sorted(folder.glob("*.safetensors")):
-            weights.update(load_file(str(path)))
-        return cls(load_model_config(folder), weights, device=device, dtype=dtype)
+        return cls(load_model_config(Path(folder)), load_weights(folder), device=device,
+                   dtype=dtype, pack_weights=pack_weights)
 
     # ---- KV cache -------------------------------------------------------------------------
 
@@ -190,16 +212,31 @@ class LlamaModel:
         starts = [0]
         for q in b.query_lens:
             starts.append(starts[-1] + q)
-        decode_rows = [r for r, q in enumerate(b.query_lens) if q == 1]
-        decode_tokens = decode_blocks = decode_mask = None
-        if decode_rows:
-            ctx_lens = [b.context_lens[r] for r in decode_rows]
-            width = -(-max(ctx_lens) // bs)  # blocks in the longest decode row
+        # Decode rows, shortest context first, so that a group's rows pad to similar widths.
+        decode_rows = sorted((r for r, q in enumerate(b.query_lens) if q == 1),
+                             key=lambda r: b.context_lens[r])
+        c = self.config
+        row_bytes = bs * c.num_kv_heads * c.head_dim * self._cache().element_size()
+        decode: list[_DecodeGroup] = []
+        i = 0
+        while i < len(decode_rows):
+            # As many rows as fit the byte budget at the width of the group's longest row.
+            n = 1
+            while i + n < len(decode_rows):
+                w = -(-b.context_lens[decode_rows[i + n]] // bs)
+                if (n + 1) * w * row_bytes > self.decode_group_bytes:
+                    break
+                n += 1
+            rows = decode_rows[i : i + n]
+            i += n
+            ctx_lens = [b.context_lens[r] for r in rows]
+            width = -(-ctx_lens[-1] // bs)  # blocks in the group's longest row
             # Pad with block 0: any real block will do, the mask hides it.
-            decode_blocks = tensor([(b.block_tables[r] + [0] * width)[:width] for r in decode_rows])
+            blocks = tensor([(b.block_tables[r] + [0] * width)[:width] for r in rows])
             j = torch.arange(width * bs, device=dev)  # [W * bs] context position
-            decode_mask = (j < tensor(ctx_lens)[:, None])[:, None, None, :]
-            decode_tokens = tensor([starts[r] for r in decode_rows])
+            in_ctx = (j < tensor(ctx_lens)[:, None])[:, None, None, :]
+            decode.append(_DecodeGroup(tensor([starts[r] for r in rows]), blocks.view(-1),
+                                       in_ctx, width))
         prefills = []
         for r, q in enumerate(b.query_lens):
             if q <= 1:
@@ -216,9 +253,7 @@ class LlamaModel:
             cos=self._cos[positions][:, None, :],
             sin=self._sin[positions][:, None, :],
             logits_indices=tensor(b.logits_indices),
-            decode_tokens=decode_tokens,
-            decode_blocks=decode_blocks,
-            decode_mask=decode_mask,
+            decode=decode,
             prefills=prefills,
         )
 
@@ -232,15 +267,15 @@ class LlamaModel:
                 h = rms_norm(x, layer.attn_norm, eps)
                 x = x + self._attention(layer, h, cache[i, 0], cache[i, 1], plan)
                 h = rms_norm(x, layer.mlp_norm, eps)
-                gate, up = (h @ layer.gate_up).chunk(2, dim=-1)  # [T, I] each
-                x = x + (F.silu(gate) * up) @ layer.down
+                gate, up = layer.gate_up(h).chunk(2, dim=-1)  # [T, I] each
+                x = x + layer.down(F.silu(gate) * up)
             # Norm and LM head only where logits are wanted: an unfinished prefill chunk
             # needs none, and the head is the largest matrix in a small model.
             h = rms_norm(x[plan.logits_indices], self.norm, eps)  # [R, hidden]
         # The head runs outside inference mode so that the logits are an ordinary tensor: a
         # sampler may then scale or mask them in place (inference tensors forbid that).
         with torch.no_grad():
-            return F.linear(h, self.lm_head).float()  # [R, vocab]
+            return self.lm_head(h).float()  # [R, vocab]
 
     def _attention(
         self,
@@ -254,7 +289,7 @@ class LlamaModel:
         nh, nkv, d = c.num_heads, c.num_kv_heads, c.head_dim
         g = nh // nkv  # query heads per KV head; head h reads KV head h // g
         t = h.shape[0]
-        q, k, v = (h @ layer.qkv).split([nh * d, nkv * d, nkv * d], dim=-1)
+        q, k, v = layer.qkv(h).split([nh * d, nkv * d, nkv * d], dim=-1)
         q = q.view(t, nh, d)
         k = k.view(t, nkv, d)
         q = q * plan.cos + rotate_half(q) * plan.sin  # [T, H, D]
@@ -269,32 +304,35 @@ class LlamaModel:
         # time (that gather was half of a decode step).
         k_blocks = k_cache.view(-1, bs * nkv * d)  # [num_blocks, bs * KV * D]
         v_blocks = v_cache.view(-1, bs * nkv * d)
-        if plan.decode_tokens is not None:
-            assert plan.decode_blocks is not None
-            assert plan.decode_mask is not None
+        if plan.decode and (plan.k_buf is None or plan.v_buf is None):
+            most = max(grp.blocks.shape[0] for grp in plan.decode)
+            plan.k_buf = k_blocks.new_empty((most, bs * nkv * d))
+            plan.v_buf = v_blocks.new_empty((most, bs * nkv * d))
+        for grp in plan.decode:
+            assert plan.k_buf is not None
+            assert plan.v_buf is not None
             # A row's G heads sharing a KV head become that head's G "queries".
-            qd = q[plan.decode_tokens].view(-1, nkv, g, d)  # [Bd, KV, G, D]
-            bd, w = plan.decode_blocks.shape
-            flat = plan.decode_blocks.view(-1)
-            if plan.k_buf is None or plan.v_buf is None:
-                plan.k_buf = k_blocks.new_empty((bd * w, bs * nkv * d))
-                plan.v_buf = v_blocks.new_empty((bd * w, bs * nkv * d))
-            torch.index_select(k_blocks, 0, flat, out=plan.k_buf)
-            torch.index_select(v_blocks, 0, flat, out=plan.v_buf)
-            kd = plan.k_buf.view(bd, w * bs, nkv, d).transpose(1, 2)  # [Bd, KV, S, D]
-            vd = plan.v_buf.view(bd, w * bs, nkv, d).transpose(1, 2)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.decode_mask)
-            out[plan.decode_tokens] = od.reshape(-1, nh, d)
+            qd = q[grp.tokens].view(-1, nkv, g, d)  # [g, KV, G, D]
+            n = grp.blocks.shape[0]
+            kb = torch.index_select(k_blocks, 0, grp.blocks, out=plan.k_buf[:n])
+            vb = torch.index_select(v_blocks, 0, grp.blocks, out=plan.v_buf[:n])
+            kd = kb.view(-1, grp.width * bs, nkv, d).transpose(1, 2)  # [g, KV, S, D]
+            vd = vb.view(-1, grp.width * bs, nkv, d).transpose(1, 2)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=grp.mask)
+            out[grp.tokens] = od.reshape(-1, nh, d)
         for p in plan.prefills:
             n = p.end - p.start
             qp = q[p.start:p.end].view(n, nkv, g, d).permute(1, 2, 0, 3)  # [KV, G, q, D]
+            if p.mask is None:  # a first chunk: its context is just what this step computed
+                kp, vp = k[p.start:p.end], v.view(t, nkv, d)[p.start:p.end]  # [ctx, KV, D]
+            else:
+                kp = k_blocks.index_select(0, p.blocks).view(-1, nkv, d)[: p.ctx]
+                vp = v_blocks.index_select(0, p.blocks).view(-1, nkv, d)[: p.ctx]
             # [KV, 1, ctx, D] broadcast over the G query heads: a view, not a copy.
-            kp = k_blocks.index_select(0, p.blocks).view(-1, nkv, d)[: p.ctx]  # [ctx, KV, D]
-            vp = v_blocks.index_select(0, p.blocks).view(-1, nkv, d)[: p.ctx]
             kp = kp.transpose(0, 1)[:, None].expand(nkv, g, -1, d)
             vp = vp.transpose(0, 1)[:, None].expand(nkv, g, -1, d)
             op = F.scaled_dot_product_attention(  # [KV, G, q, D]
                 qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None
             )
             out[p.start:p.end] = op.permute(2, 0, 1, 3).reshape(n, nh, d)
-        return out.view(t, nh * d) @ layer.o  # [T, hidden]
+        return layer.o(out.view(t, nh * d))  # [T, hidden]

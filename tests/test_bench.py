@@ -1,0 +1,32 @@
+"""`nanoserve bench` on the stub: the workload is hf_peer's, every figure is reported."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from nanoserve import bench
+
+
+def test_bench_on_the_stub_reports_every_figure(capsys: pytest.CaptureFixture[str]) -> None:
+    p = argparse.ArgumentParser()
+    bench.add_args(p)
+    a = p.parse_args(["--model", "stub", "--n", "6", "--out-max", "20"])
+    out = bench.run(a)
+    reqs = bench.workload(0, 6, 49152, 16, 256, 16, 20)
+    assert out["output_tokens"] == sum(o for _, o in reqs)
+    assert out["prompt_tokens"] == sum(len(p) for p, _ in reqs)
+    # Every prompt token and every output token but each request's last is computed.
+    assert out["computed_tokens"] == out["prompt_tokens"] + out["output_tokens"] - 6
+    assert out["mm2048_gflops"] > 0
+    assert "fraction_of_mm_peak" in out
+    assert "single_decode_tokens_per_s" not in out  # the stub has no weights to stream
+    assert "GFLOP/s" in capsys.readouterr().out
+
+
+def test_workload_matches_hf_peer_draws() -> None:
+    # The first request of hf_peer.py's default workload (seed 0), drawn the same way.
+    [(prompt, out_len)] = bench.workload(0, 1, 49152, 16, 256, 16, 128)
+    assert (len(prompt), out_len) == (232, 103)
+    assert prompt[:3] == [25347, 27662, 2753]
