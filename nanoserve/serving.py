@@ -14,6 +14,10 @@ cancelled again (DESIGN.md pitfalls).
 Nothing is lost silently: every request the bridge accepts ends with a final update for each
 of its completions, the engine's own (length, stop, abort, a step's error) or one the bridge
 writes (aborted before admission, admission failed, the loop failed, the bridge closed).
+
+A `BridgeRecorder` (the recorder hook; `sim.record` implements it for `serve --record`) is
+told, in the loop task, what a trace needs and nothing else: which requests each boundary
+aborted and took in, and every update routed to a reader, with the step count at that point.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import Protocol
 
 import trio
 
@@ -40,6 +45,23 @@ log = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
 StepListener = Callable[[StepResult], None]
+
+
+class BridgeRecorder(Protocol):
+    """The recorder hook. Both calls come from the loop task, synchronously, between steps;
+    an exception from either is logged and ignored (recording must not stop serving)."""
+
+    def boundary(self, step: int, aborted: Sequence[str], arrived: Sequence[str]) -> None:
+        """A boundary taken after `step` steps: the requests it aborted (in arrival order,
+        any never admitted included; their final updates have just been routed), and those
+        it is taking from the inbox, in arrival order (one whose admission fails then gets
+        an error final update)."""
+        ...
+
+    def update(self, step: int, update: Update) -> None:
+        """An update routed to its reader after `step` steps: a step's own, or a final one
+        the bridge wrote (an abort, an admission failure, shutdown)."""
+        ...
 
 
 class EngineDeadError(RuntimeError):
@@ -78,9 +100,12 @@ class _Entry:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, clock: Clock) -> None:
+    def __init__(
+        self, engine: Engine, clock: Clock, recorder: BridgeRecorder | None = None
+    ) -> None:
         self._engine = engine
         self._clock = clock
+        self._recorder = recorder
         self._entries: dict[str, _Entry] = {}
         self._inbox: deque[_Entry] = deque()
         self._aborts: set[str] = set()
@@ -97,8 +122,10 @@ class AsyncEngine:
 
     @classmethod
     @asynccontextmanager
-    async def open(cls, engine: Engine, clock: Clock) -> AsyncIterator[AsyncEngine]:
-        self = cls(engine, clock)
+    async def open(
+        cls, engine: Engine, clock: Clock, recorder: BridgeRecorder | None = None
+    ) -> AsyncIterator[AsyncEngine]:
+        self = cls(engine, clock, recorder)
         body_error: BaseException | None = None
         try:
             async with trio.open_nursery() as nursery:
@@ -243,6 +270,10 @@ class AsyncEngine:
         self._aborts.clear()
         for entry in targets:
             self._abort(entry, None)
+        if self._recorder is not None:
+            self._record(self._recorder.boundary, self._engine.num_steps,
+                         [e.request_id for e in targets],
+                         [e.request_id for e in self._inbox if not e.ended])
         while self._inbox:
             entry = self._inbox.popleft()
             if entry.ended:  # aborted before it was admitted
@@ -277,6 +308,8 @@ class AsyncEngine:
         if entry is None or update.index in entry.done:
             log.warning("dropping an update for a request that has ended: %r", update)
             return
+        if self._recorder is not None:
+            self._record(self._recorder.update, self._engine.num_steps, update)
         with contextlib.suppress(trio.BrokenResourceError):  # the reader has gone
             entry.send.send_nowait(update)
         if update.finished:
@@ -284,6 +317,12 @@ class AsyncEngine:
             entry.errored |= update.finish_reason == FinishReason.ERROR
             if len(entry.done) >= entry.prepared.params.n:
                 self._close(entry)
+
+    def _record(self, fn: Callable[..., None], *args: object) -> None:
+        try:
+            fn(*args)
+        except Exception:  # a recorder bug must not stop serving
+            log.exception("recorder %r failed", fn)
 
     def _abort(self, entry: _Entry, why: str | None) -> None:
         self._aborted += 1

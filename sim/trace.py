@@ -10,6 +10,11 @@ The writer emits one JSON object per line with known keys in the format's order,
 unknown keys in the order they were read ("implementations may add fields"), and leaves
 `body` in the client's own order; absent optionals are omitted. So loading and rewriting a
 trace the writer produced gives the same bytes, and a diff of two traces is a diff of facts.
+
+What this implementation adds to DESIGN.md's v1 (the format allows added fields): a third
+reading pattern, `client.read: {"frames_by_step": [[step, frames], ...]}`, which the
+recorder writes for slow readers and hang-ups (`FramesByStep`); and, on expectation lines,
+`error`, `frames`, `aborted`, `hangup_step` and, for n > 1, `choices` (sim/expect.py).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from sim.trace_check import (
 
 __all__ = [
     "PATHS", "TRACE_VERSION", "ClientSpec", "EverySeconds", "EverySteps", "Expectation",
+    "FramesByStep", "parse_read",
     "Trace", "TraceError", "TraceHeader", "TraceRequest", "dumps_trace", "iter_trace_lines",
     "load_trace", "loads_trace", "write_trace",
 ]  # fmt: skip
@@ -67,7 +73,27 @@ class EverySeconds:
     s: float
 
 
-Read = Literal["eager"] | EverySteps | EverySeconds
+@dataclass(frozen=True, slots=True)
+class FramesByStep:
+    """A recorded reading pattern (`serve --record`, a slow reader or a hang-up): by the
+    boundary after step `s` the client had taken `f` SSE frames, for each `(s, f)`; steps
+    increase. Before the first pair it has taken none; after the last it reads eagerly."""
+
+    pairs: tuple[tuple[int, int], ...]
+
+    def allowed(self, step: int) -> int | None:
+        """Frames the client may have taken by the boundary after `step`; None: no limit."""
+        if step > self.pairs[-1][0]:
+            return None
+        taken = 0
+        for s, f in self.pairs:
+            if s > step:
+                break
+            taken = f
+        return taken
+
+
+Read = Literal["eager"] | EverySteps | EverySeconds | FramesByStep
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,15 +244,18 @@ def _request(obj: dict[str, Any], header: TraceHeader, first_line: dict[str, int
     if not isinstance(body, dict):
         raise FieldError("body", f"must be a JSON object, got {body!r:.80}")
     read, after, at = check_client(obj.get("client"), header.clock)
-    client = ClientSpec(_read(read), after, at, _extra(obj["client"], _CLIENT_KEYS))
+    client = ClientSpec(parse_read(read), after, at, _extra(obj["client"], _CLIENT_KEYS))
     first_line[rid] = number
     return TraceRequest(rid, path, body, client, at_step, at_s, _extra(obj, _REQUEST_KEYS))
 
 
-def _read(raw: str | dict[str, Any]) -> Read:
+def parse_read(raw: str | dict[str, Any]) -> Read:
+    """A `client.read` value, once `check_client` has accepted it."""
     if raw == "eager":
         return "eager"
     assert isinstance(raw, dict)  # check_client accepted it
+    if "frames_by_step" in raw:
+        return FramesByStep(tuple((s, f) for s, f in raw["frames_by_step"]))
     if "every_steps" in raw:
         return EverySteps(raw["every_steps"])
     return EverySeconds(raw["every_s"])
@@ -289,6 +318,8 @@ def _client(c: ClientSpec) -> dict[str, Any]:
         read = {"every_steps": c.read.n}
     elif isinstance(c.read, EverySeconds):
         read = {"every_s": c.read.s}
+    elif isinstance(c.read, FramesByStep):
+        read = {"frames_by_step": [[s, f] for s, f in c.read.pairs]}
     out: dict[str, Any] = {"read": read}
     _put(out, "hangup_after_frames", c.hangup_after_frames)
     _put(out, "hangup_at_step", c.hangup_at_step)

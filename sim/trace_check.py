@@ -123,6 +123,9 @@ def check_client(client: object, clock: str) -> tuple[Any, int | None, int | Non
 
 def _check_read(read: object, clock: str) -> None:
     if isinstance(read, dict) and len(read) == 1:
+        if "frames_by_step" in read:
+            check_frames_by_step(read["frames_by_step"])
+            return
         if "every_steps" in read:
             check_int(read["every_steps"], "client.read.every_steps", 1)
             return
@@ -134,8 +137,27 @@ def _check_read(read: object, clock: str) -> None:
                 raise FieldError("client.read", 'every_s needs clock "virtual" (seconds do '
                                  "not advance under the step clock)")
             return
-    raise FieldError("client.read", 'must be "eager", {"every_steps": N} or {"every_s": X}, '
-                     f"got {read!r:.80}")
+    raise FieldError("client.read", 'must be "eager", {"every_steps": N}, {"every_s": X} or '
+                     f'{{"frames_by_step": [[STEP, FRAMES], ...]}}, got {read!r:.80}')
+
+
+def check_frames_by_step(pairs: object) -> None:
+    """A recorded reading pattern: `[[step, frames], ...]`, the SSE frames the client had
+    taken by each step boundary; steps strictly increasing, counts never decreasing."""
+    name = "client.read.frames_by_step"
+    if not isinstance(pairs, list) or not pairs:
+        raise FieldError(name, f"must be a non-empty list of [step, frames], got {pairs!r:.80}")
+    last_step, last_frames = -1, 0
+    for pair in pairs:
+        if not (isinstance(pair, list) and len(pair) == 2 and all(is_int(v) and v >= 0
+                                                                   for v in pair)):
+            raise FieldError(name, f"each entry must be [step, frames], integers >= 0, got "
+                             f"{pair!r:.80}")
+        step, frames = pair
+        if step <= last_step or frames < last_frames:
+            raise FieldError(name, f"steps must increase and frame counts never decrease: "
+                             f"{pair!r} after [{last_step}, {last_frames}]")
+        last_step, last_frames = step, frames
 
 
 def check_expectation(eid: str, fields: dict[str, Any]) -> None:

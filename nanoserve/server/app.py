@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import trio
-from hypercorn.typing import ASGISendCallable
+from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable
 from quart import Response, request
 from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
@@ -29,10 +29,11 @@ from werkzeug.exceptions import HTTPException
 
 from nanoserve.clock import Clock
 from nanoserve.engine import Engine, StepResult
-from nanoserve.server import admin, openai
+from nanoserve.server import admin, openai, recording
 from nanoserve.server.errors import ApiError, error_object
 from nanoserve.server.jobs import Registry
 from nanoserve.server.metrics import Metrics
+from nanoserve.server.recording import Recorder
 from nanoserve.server.render import TokenText
 from nanoserve.server.respond import SseBody, json_response
 from nanoserve.server.state import Ready, ServerConfig, ServerState, counter_ids, current_state
@@ -52,9 +53,12 @@ def create_app(
     id_source: Callable[[], str] | None = None,
     time_source: Callable[[], float] = time.time,
     on_fatal: Callable[[BaseException], None] | None = None,
+    recorder: Recorder | None = None,
 ) -> QuartTrio:
     """`engine` is a built Engine, or a callable that builds one (run in a thread at
-    startup). `on_fatal` is called if that load fails, so `serve` can exit non-zero."""
+    startup). `on_fatal` is called if that load fails, so `serve` can exit non-zero.
+    `recorder` (server.recording; `serve --record`) is told what a trace needs, and is
+    closed once the engine has stopped."""
     app = QuartTrio("nanoserve")
     app.asgi_http_class = _Connection
     app.config.update(
@@ -63,7 +67,7 @@ def create_app(
         MAX_CONTENT_LENGTH=config.max_body_bytes,
     )
     st = ServerState(config, Metrics(config.served_model_name), id_source or counter_ids(),
-                     time_source)
+                     time_source, recorder=recorder)
     app.extensions["nanoserve"] = st
 
     # The engine task has its own cancel scope: on shutdown it is cancelled (which closes
@@ -153,7 +157,21 @@ async def _run_engine(
             if on_fatal is not None:
                 on_fatal(exc)
             return
-    async with AsyncEngine.open(engine, clock) as bridge:
+    try:
+        await _serve_engine(st, engine, clock, source, task_status)
+    finally:
+        if st.recorder is not None:  # the bridge has closed: every request has ended
+            recording.safely(st.recorder.close, engine)
+
+
+async def _serve_engine(
+    st: ServerState,
+    engine: Engine,
+    clock: Clock,
+    source: EngineSource,
+    task_status: trio.TaskStatus[None],
+) -> None:
+    async with AsyncEngine.open(engine, clock, st.recorder) as bridge:
 
         def on_step(result: StepResult) -> None:
             # Runs in the loop task between steps, the one time reading the engine is safe.
@@ -161,6 +179,8 @@ async def _run_engine(
 
         bridge.add_step_listener(on_step)
         registry = Registry(bridge, st.metrics, st.config.max_queue)
+        if st.recorder is not None:
+            recording.safely(st.recorder.start, engine, bridge, st.config)
         st.ready = Ready(engine, bridge, registry, TokenText(engine.tokenizer))
         st.loaded.set()
         if isinstance(source, Engine):
@@ -189,7 +209,20 @@ async def _load(loader: Callable[[], Engine]) -> Engine:
 
 class _Connection(TrioASGIHTTPConnection):
     """Quart-Trio's HTTP connection, plus one guarantee: once sending a response ends, for
-    any reason, the stream behind it is closed (see respond.SseBody)."""
+    any reason, the stream behind it is closed (see respond.SseBody); and, with a recorder,
+    the generation routes' ASGI messages are reported to it (server.recording)."""
+
+    async def __call__(self, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
+        st: ServerState = self.app.extensions["nanoserve"]
+        ex = recording.recorded(st.recorder, self.scope)
+        if ex is None:
+            await super().__call__(receive, send)
+            return
+        try:
+            await super().__call__(recording.recording_receive(ex, receive),
+                                   recording.recording_send(ex, send))
+        finally:
+            recording.safely(ex.done)
 
     async def _send_response(self, send: ASGISendCallable, response: Any) -> None:
         try:

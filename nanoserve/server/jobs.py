@@ -82,6 +82,11 @@ class Job:
     def done(self) -> bool:
         return self._open == 0
 
+    @property
+    def request_ids(self) -> list[str]:
+        """The engine request ids, one per prompt, in the order they were queued."""
+        return [s.request_id for s in self._streams]
+
     def start(self, nursery: trio.Nursery) -> None:
         for k, stream in enumerate(self._streams):
             scope = trio.CancelScope()

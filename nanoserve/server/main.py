@@ -11,7 +11,9 @@ Hypercorn's own grace period is set a second longer, so it never cuts a stream b
 app has ended it properly; it also waits that long for idle keep-alive connections (it does
 not close them on shutdown), so a shutdown takes up to grace + 1 s. A second signal ends
 everything at once. The exit status is 0
-after a signal and 1 when the weights fail to load.
+after a signal and 1 when the weights fail to load. With `--record FILE` the trace is
+written once the engine has stopped, after every request has ended, so a graceful shutdown
+leaves a complete trace.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from nanoserve.clock import LiveClock
 from nanoserve.config import ConfigError, EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.server.app import create_app, drain
+from nanoserve.server.recording import Recorder
 from nanoserve.server.state import ServerConfig
 
 log = logging.getLogger("nanoserve.server")
@@ -81,6 +84,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     a("--shutdown-grace", type=float, default=10.0)
     a("--chat-template", default=None, help="a Jinja template, or a file holding one")
     a("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    a("--record", default=None, metavar="FILE",
+      help="write a trace of the traffic to FILE at shutdown (sim replay repeats it)")
+    a("--record-redact", action="store_true",
+      help="with --record: replace prompts by synthetic text of the same token count")
 
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:
@@ -130,7 +137,7 @@ async def _serve(a: argparse.Namespace, cfg: EngineConfig, config: ServerConfig)
         stop_requested.set()
 
     app = create_app(loader, config, clock=LiveClock(), id_source=lambda: uuid.uuid4().hex,
-                     time_source=time.time, on_fatal=on_fatal)
+                     time_source=time.time, on_fatal=on_fatal, recorder=_recorder(a))
     hc = hypercorn.config.Config()
     hc.bind = [f"{a.host}:{a.port}"]
     hc.graceful_timeout = a.shutdown_grace + _HYPERCORN_EXTRA_GRACE_S
@@ -160,6 +167,18 @@ async def _serve(a: argparse.Namespace, cfg: EngineConfig, config: ServerConfig)
             nursery.cancel_scope.cancel()
     log.info("stopped")
     return 1 if failed else 0
+
+
+def _recorder(a: argparse.Namespace) -> Recorder | None:
+    if a.record is None:
+        return None
+    # The one import of sim from nanoserve, and only with --record: this is the composition
+    # root, and the recorder belongs with the trace format it writes (DESIGN.md layering).
+    from sim.record import TraceRecorder
+
+    log.info("recording traffic to %s%s", a.record, " (prompts redacted)"
+             if a.record_redact else "")
+    return TraceRecorder(a.record, weights=a.model, redact=a.record_redact)
 
 
 async def _watch_signals(

@@ -13,6 +13,7 @@ from nanoserve.engine import Engine
 from nanoserve.server.errors import ApiError
 from nanoserve.server.jobs import Registry
 from nanoserve.server.metrics import Metrics
+from nanoserve.server.recording import Recorder
 from nanoserve.server.render import TokenText
 from nanoserve.serving import AsyncEngine
 from nanoserve.tokenizer import Tokenizer
@@ -60,6 +61,7 @@ class ServerState:
     loaded: trio.Event = field(default_factory=trio.Event)  # set once `ready` is
     load_error: str | None = None
     draining: bool = False
+    recorder: Recorder | None = None  # serve --record (server.recording)
 
 
 def current_state() -> ServerState:
