@@ -1,0 +1,208 @@
+"""`sim validate`: the real engine on a load, measured, beside what the simulator predicts.
+
+The measured side runs the real model through the same bridge the server uses (AsyncEngine
+with the live clock: steps in a worker thread, wall-clock seconds), with one client task per
+request that arrives at its at_s, streams its updates and notes when each arrives. The
+predicted side runs the same workload in `sim.fleet.simulate` with the stub model and the
+cost model. Both sides are reduced by the same `summarize`, so a difference is the cost
+model's error plus the measurement's noise, never a difference of definitions.
+
+`drive_bridge` works under any clock: under the virtual clock (trio.testing.MockClock) it is
+the slow, Trio path that tests/test_capacity_fleet.py holds the fast engine-level loop to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from nanoserve.clock import LiveClock
+from nanoserve.config import EngineConfig
+from nanoserve.engine import Engine, StepResult
+from nanoserve.model.stub import StubModel
+from nanoserve.sampling import ParamError, SamplingParams
+from nanoserve.serving import AsyncEngine
+from sim.capacity import default_num_blocks, flat
+from sim.capacity_load import SimRequest, Workload, spec_workload
+from sim.capacity_metrics import summarize
+from sim.cost import CostModel, load_cost_model
+from sim.fleet import Record, SimResult, simulate
+from sim.load_spec import parse_load_spec
+from sim.profile import set_threads
+
+COMPARED = ("output_token_throughput", "request_throughput", "ttft_p50", "ttft_p90",
+            "tpot_p50", "tpot_p90", "itl_p50", "e2e_p50")
+
+
+async def drive_bridge(requests: Sequence[SimRequest], bridge: AsyncEngine,
+                       max_queue: int | None = None) -> list[Record]:
+    """Every request as a client of `bridge`, from now; records in trio's clock, from now."""
+    t0 = trio.current_time()
+    records = [Record(r.id, r.at_s, len(r.prompt_ids), replica=0) for r in requests]
+    async with trio.open_nursery() as nursery:
+        for req, rec in zip(requests, records, strict=True):
+            nursery.start_soon(_client, bridge, req, rec, t0, max_queue)
+    return records
+
+
+async def _client(bridge: AsyncEngine, req: SimRequest, rec: Record, t0: float,
+                  max_queue: int | None) -> None:
+    await trio.sleep_until(t0 + req.at_s)
+    if max_queue is not None:
+        s = bridge.statistics()
+        if s.queued + s.waiting + 1 > max_queue:
+            rec.status = "rejected"
+            return
+    try:
+        prepared = bridge.prepare(list(req.prompt_ids), req.params)
+    except ParamError:
+        rec.status = "invalid"
+        return
+    if req.stream and req.hangup_after_frames == 0:
+        rec.status = "aborted"
+        return
+    async with bridge.stream(prepared, request_id=req.id) as stream:
+        async for u in stream:
+            now = trio.current_time() - t0
+            if u.new_token_ids:
+                if rec.first_token_s is None:
+                    rec.first_token_s = now
+                    rec.cached_tokens = u.num_cached_tokens
+                rec.output_tokens += len(u.new_token_ids)
+                rec.token_times.append(now)
+            if u.text or u.finished:
+                rec.frames += 1
+            if u.finished:
+                rec.status = "failed" if u.error is not None or u.finish_reason == "error" \
+                    else "ok"
+                rec.finish_s = now
+                return
+            if req.stream and req.hangup_after_frames is not None \
+                    and rec.frames >= req.hangup_after_frames:
+                rec.status = "aborted"  # leaving `async with` aborts it at the next boundary
+                rec.finish_s = now
+                return
+
+
+def measure(workload: Workload, engine: Engine) -> tuple[SimResult, float]:
+    """One wall-clock run of the workload on `engine` (real weights) via the live clock,
+    and the steps' contention: their wall time over their thread's CPU time (1 on an idle
+    machine with one torch thread; more when other processes share the cores)."""
+    wall = cpu = 0.0
+    step = engine.step
+
+    def timed_step() -> StepResult:
+        nonlocal wall, cpu
+        w0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            return step()
+        finally:
+            wall += time.perf_counter() - w0
+            cpu += time.thread_time() - c0
+
+    engine.step = timed_step  # type: ignore[method-assign]  # instrumentation only
+
+    async def main() -> list[Record]:
+        async with AsyncEngine.open(engine, LiveClock()) as bridge:
+            # One throwaway request first: the first steps pay for lazy initialisation.
+            warm = bridge.prepare([1000] * 8, SamplingParams(temperature=0, max_tokens=2))
+            await bridge.generate(warm)
+            return await drive_bridge(workload.requests, bridge)
+
+    records = trio.run(main)
+    end = max((r.finish_s or 0.0 for r in records), default=0.0)
+    return SimResult(tuple(records), (), (engine.statistics(),), end), wall / cpu if cpu else 1.0
+
+
+def compare(predicted: dict[str, Any], runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Metric by metric: predicted, measured mean, spread (max - min over runs), error."""
+    rows = []
+    for m in COMPARED:
+        got = [r[m] for r in runs if r[m] is not None]
+        pred = predicted[m]
+        if not got or pred is None:
+            rows.append({"metric": m, "predicted": pred, "measured": None, "spread": None,
+                         "error": None, "within": None})
+            continue
+        mean = statistics.fmean(got)
+        spread = max(got) - min(got)
+        err = (pred - mean) / mean if mean else None
+        within = abs(pred - mean) <= max(0.10 * abs(mean), 2 * spread)
+        rows.append({"metric": m, "predicted": pred, "measured": mean, "spread": spread,
+                     "error": err, "within": within})
+    return rows
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("validate", help="run the real engine on a load (wall clock) and "
+                       "compare each metric with the simulator's prediction",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--load", required=True, metavar="SPEC")
+    p.add_argument("--cost", required=True, metavar="COST.json")
+    p.add_argument("--threads", type=int, metavar="N",
+                   help="torch CPU threads (recorded in the cost model's machine) [torch's]")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--runs", type=int, default=3, help="measured runs [3]")
+    p.add_argument("--warmup", type=float, default=0.0,
+                   help="fraction of requests left out of the metrics [0]")
+    p.add_argument("--engine", nargs="+", action="extend", default=[], metavar="KEY=VALUE")
+    p.add_argument("--out", metavar="JSON", help="also write the comparison as JSON")
+    from sim.capacity_cli import guarded
+
+    p.set_defaults(main=guarded(run_validate))
+
+
+def predict(workload: Workload, cost: CostModel, tokenizer: Any, config: EngineConfig,
+            warmup: float) -> dict[str, Any]:
+    model = StubModel(tokenizer)
+    result = simulate(workload.requests, lambda: Engine(model, tokenizer, config), cost)
+    return summarize(result, warmup=warmup, slo=None, num_blocks=config.num_blocks or 1)
+
+
+def run_validate(a: argparse.Namespace) -> int:
+    set_threads(a.threads)
+    from nanoserve.model import load
+    from sim.capacity_cli import engine_config
+
+    cost = load_cost_model(a.cost)
+    base = engine_config(a.engine)
+    config = dataclasses.replace(base, num_blocks=default_num_blocks(cost, base))
+    model, tok = load(a.model)
+    workload = spec_workload(parse_load_spec(a.load), tok, tok.vocab_size)
+    predicted = flat(predict(workload, cost, tok, config, a.warmup))
+    runs: list[dict[str, Any]] = []
+    contentions: list[float] = []
+    for k in range(a.runs):
+        result, contention = measure(workload, Engine(model, tok, config))
+        contentions.append(contention)
+        runs.append(flat(summarize(result, warmup=a.warmup, slo=None,
+                                   num_blocks=config.num_blocks or 1)))
+        print(f"run {k + 1}/{a.runs}: {runs[-1]['output_token_throughput']:.1f} tok/s, "
+              f"ttft p50 {runs[-1]['ttft_p50']}, tpot p50 {runs[-1]['tpot_p50']}, "
+              f"steps took {contention:.2f}x their CPU time", file=sys.stderr, flush=True)
+    rows = compare(predicted, runs)
+    print(f"load {workload.source} on {a.model}; cost model {cost.name}; {a.runs} runs; "
+          f"steps took {statistics.fmean(contentions):.2f}x their CPU time (1 = idle cores)")
+    print(f"{'metric':>24} {'predicted':>10} {'measured':>10} {'spread':>9} {'error':>8}")
+    for r in rows:
+        if r["measured"] is None:
+            print(f"{r['metric']:>24} {'-':>10} {'-':>10}")
+            continue
+        print(f"{r['metric']:>24} {r['predicted']:>10.4g} {r['measured']:>10.4g} "
+              f"{r['spread']:>9.3g} {r['error']:>+8.1%}{'' if r['within'] else '  OUT'}")
+    if a.out:
+        Path(a.out).write_text(json.dumps({"load": workload.source, "model": a.model,
+                                           "cost_model": cost.name, "predicted": predicted,
+                                           "runs": runs, "contention": contentions,
+                                           "compare": rows}, indent=1) + "\n",
+                               encoding="utf-8")
+    return 0

@@ -1,0 +1,119 @@
+"""`sim profile` and the cost model: the grid it measures, the fit, the JSON it writes.
+Timings here are synthetic (an injected timer or a known linear law), never measured."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from nanoserve.engine import StepResult
+from nanoserve.model.loader import resolve_model
+from nanoserve.model.stub import StubModel
+from nanoserve.tokenizer import Tokenizer
+from sim.cli import main
+from sim.cost import FEATURES, CostModel, fit_coefficients, load_cost_model, step_features
+from sim.profile import QUICK_GRID, fit_profile, measure_grid
+
+LAW = (0.02, 1.5e-4, 3e-3, 2.5e-3, 4e-6, 2e-8)  # a known "machine"
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.from_folder(resolve_model("smollm2"))
+
+
+def counting_timer() -> object:
+    t = [0.0]
+
+    def timer() -> float:
+        t[0] += 0.5
+        return t[0]
+
+    return timer
+
+
+def test_grid_covers_every_point_with_the_work_it_names(tok: Tokenizer) -> None:
+    points = measure_grid(StubModel(tok), tok, QUICK_GRID, reps=3,
+                          timer=counting_timer())  # type: ignore[arg-type]
+    # decode 0 is measured at one context only, and never with prefill 0.
+    want = [(0, 16, 8), (0, 16, 24), (0, 16, 40)] + [
+        (d, c, p) for d in (2, 6) for c in (16, 48) for p in (0, 8, 24, 40)]
+    assert [(p.decode, p.context, p.prefill) for p in points] == want
+    for p in points:
+        f = dict(zip(FEATURES, p.features, strict=True))
+        assert p.seconds == 0.5
+        assert f["decode_seqs"] == p.decode
+        assert f["prefill_tokens"] == p.prefill
+        assert f["prefill_seqs"] == (1 if p.prefill else 0)
+        # The decode rows sit a few tokens past their prompt of `context` tokens.
+        assert p.decode * (p.context + 1) <= f["decode_context"] <= p.decode * (p.context + 20)
+        if p.prefill:
+            assert f["prefill_attention"] == p.prefill * (p.prefill + 1) // 2
+
+
+def test_fit_recovers_a_linear_law_and_holds_out_a_quarter(tok: Tokenizer) -> None:
+    points = measure_grid(StubModel(tok), tok, QUICK_GRID, reps=1,
+                          timer=counting_timer())  # type: ignore[arg-type]
+    law = CostModel(LAW)
+    exact = [dataclasses.replace(p, seconds=law.predict(p.features)) for p in points]
+    cost = fit_profile(exact, name="law", model="stub", machine={"cpu": "x"},
+                       kv_bytes_per_token=0, block_size=16, grid=QUICK_GRID)
+    assert cost.coef == pytest.approx(LAW, rel=1e-6)
+    assert (len(points), cost.fit["held_out"]) == (19, 4)
+    assert cost.fit["held_out_max_rel_error"] < 1e-6
+
+
+def test_fit_weights_relative_error() -> None:
+    # Two regimes no line fits exactly: the fit balances relative, not absolute, error.
+    xs = [(1.0, float(n), 0, 0, 0, 0) for n in (1, 2, 100, 200)]
+    ys = [0.011, 0.012, 0.2, 0.5]
+    coef = fit_coefficients(xs, ys, use=("const", "prefill_tokens"))
+    m = CostModel(coef)
+    errs = [abs(m.predict(x) - y) / y for x, y in zip(xs, ys, strict=True)]
+    assert max(errs[:2]) < 0.35  # an absolute fit would miss the 11 ms steps by 4x
+    assert coef[2:] == (0.0, 0.0, 0.0, 0.0)
+
+
+def test_cost_model_prices_a_step_and_round_trips(tmp_path: Path) -> None:
+    m = CostModel(LAW, name="law", model="smollm2", machine={"cpu": "x"},
+                  kv_bytes_per_token=46080)
+    r = StepResult(1, (), (), 100, 8, 2, 800, 5050)
+    assert step_features(r) == (1.0, 100.0, 2.0, 8.0, 800.0, 5050.0)
+    assert m(r) == pytest.approx(0.02 + 0.015 + 0.006 + 0.02 + 0.0032 + 1.01e-4)
+    assert m.kv_gib(1024) == pytest.approx(1024 * 16 * 46080 / 2**30)
+    path = tmp_path / "c.json"
+    m.save(path)
+    assert load_cost_model(path) == m
+    d = json.loads(path.read_text())
+    d["coef"].pop("decode_seqs")
+    path.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="exactly the keys"):
+        load_cost_model(path)
+    with pytest.raises(ValueError, match="not a nanoserve cost model"):
+        CostModel.from_dict({"coef": {}})
+    assert CostModel((-1.0, 0, 0, 0, 0, 0)).predict((1, 0, 0, 0, 0, 0)) == 0.0
+
+
+def test_profile_cli_writes_the_machine_and_the_held_out_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "stub-cost.json"
+    assert main(["profile", "--model", "stub", "--quick", "--reps", "1", "--out", str(out)]) == 0
+    assert "held-out (4) relative error" in capsys.readouterr().out
+    cost = load_cost_model(out)
+    assert cost.name == "stub-cost.json"
+    assert cost.model == "stub"
+    assert {"cpu", "cores", "torch"} <= set(cost.machine)
+    assert len(cost.fit["samples"]) == 19
+
+
+def test_cpu_clock_needs_one_thread(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    if torch.get_num_threads() == 1:
+        pytest.skip("this process already runs torch on one thread")
+    assert main(["profile", "--model", "stub", "--quick", "--clock", "cpu"]) == 2
+    assert "--clock cpu needs --threads 1" in capsys.readouterr().err
