@@ -18,12 +18,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import hypercorn.config
-import hypercorn.trio
 import pytest
 import trio
 import trio.testing
-from http_harness import serving, sse_events
+from http_harness import hypercorn_on_loopback, serving, sse_events
 from test_server_api import make_engine
 
 from nanoserve.clock import Clock, GateClock, LiveClock
@@ -45,19 +43,10 @@ async def recorded(engine: Engine, clock: Clock, path: Path, name: str = "stub",
     rec = TraceRecorder(path, **kw)
     app = create_app(engine, ServerConfig(name), clock=clock, id_source=counter_ids(),
                      time_source=lambda: 1_700_000_000.0, recorder=rec)
-    config = hypercorn.config.Config()
-    config.bind = ["127.0.0.1:0"]
-    config.graceful_timeout = 5.0
-    stop = trio.Event()
-    async with trio.open_nursery() as nursery:
-        binds = await nursery.start(partial(hypercorn.trio.serve, app, config,
-                                            shutdown_trigger=stop.wait))
+    async with hypercorn_on_loopback(app) as url:
         ready = server_state(app).ready
         assert ready is not None
-        try:
-            yield binds[0].removeprefix("http://"), ready.bridge, rec
-        finally:
-            stop.set()
+        yield url.removeprefix("http://"), ready.bridge, rec
 
 
 class Raw:

@@ -12,16 +12,13 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from functools import partial
 from typing import Any
 
-import hypercorn.config
-import hypercorn.trio
 import openai
 import pytest
 import trio
 import trio.testing
-from http_harness import stub_parts
+from http_harness import hypercorn_on_loopback, stub_parts
 from test_server_api import make_engine
 
 from nanoserve.clock import GateClock, LiveClock
@@ -38,17 +35,8 @@ async def live(engine: Engine, clock: Any = None, name: str = "stub") -> AsyncIt
     """Serve on a free loopback port; yield (base URL, app)."""
     app = create_app(engine, ServerConfig(name), clock=clock or LiveClock(),
                      id_source=counter_ids(), time_source=lambda: 1_700_000_000.0)
-    config = hypercorn.config.Config()
-    config.bind = ["127.0.0.1:0"]
-    config.graceful_timeout = 5.0
-    stop = trio.Event()
-    async with trio.open_nursery() as nursery:
-        binds = await nursery.start(partial(hypercorn.trio.serve, app, config,
-                                            shutdown_trigger=stop.wait))
-        try:
-            yield binds[0], app
-        finally:
-            stop.set()
+    async with hypercorn_on_loopback(app) as url:
+        yield url, app
 
 
 def client(url: str) -> openai.OpenAI:
