@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -111,7 +110,7 @@ def test_a_dead_conversions_temp_dir_is_removed_and_a_live_ones_kept(
     dead, live = cache / (prefix + "dead"), cache / (prefix + "live")
     dead.mkdir(parents=True)
     live.mkdir()
-    os.utime(dead, (time.time() - 7200,) * 2)
+    os.utime(dead, (0, 0))  # last touched in 1970: long dead, without reading the clock
     monkeypatch.setattr(loader, "convert_gguf", lambda src, out, *, sha256: None)
     resolve_model(str(gguf), cache_dir=cache)
     assert not dead.exists()

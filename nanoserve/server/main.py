@@ -26,6 +26,7 @@ import signal
 import time
 import uuid
 from collections.abc import AsyncIterator
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import hypercorn.config
@@ -114,13 +115,16 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
 def run(a: argparse.Namespace) -> int:
     try:
         cfg = engine_config(a)
+        recorder = _recorder(a)
     except ConfigError as exc:
         log.error("%s", exc)
         return 2
-    return trio.run(_serve, a, cfg, server_config(a))
+    return trio.run(_serve, a, cfg, server_config(a), recorder)
 
 
-async def _serve(a: argparse.Namespace, cfg: EngineConfig, config: ServerConfig) -> int:
+async def _serve(
+    a: argparse.Namespace, cfg: EngineConfig, config: ServerConfig, recorder: Recorder | None
+) -> int:
 
     def loader() -> Engine:
         from nanoserve.model import load
@@ -137,7 +141,7 @@ async def _serve(a: argparse.Namespace, cfg: EngineConfig, config: ServerConfig)
         stop_requested.set()
 
     app = create_app(loader, config, clock=LiveClock(), id_source=lambda: uuid.uuid4().hex,
-                     time_source=time.time, on_fatal=on_fatal, recorder=_recorder(a))
+                     time_source=time.time, on_fatal=on_fatal, recorder=recorder)
     hc = hypercorn.config.Config()
     hc.bind = [f"{a.host}:{a.port}"]
     hc.graceful_timeout = a.shutdown_grace + _HYPERCORN_EXTRA_GRACE_S
@@ -172,13 +176,17 @@ async def _serve(a: argparse.Namespace, cfg: EngineConfig, config: ServerConfig)
 def _recorder(a: argparse.Namespace) -> Recorder | None:
     if a.record is None:
         return None
-    # The one import of sim from nanoserve, and only with --record: this is the composition
-    # root, and the recorder belongs with the trace format it writes (DESIGN.md layering).
-    from sim.record import TraceRecorder
-
+    # The recorder belongs with the trace format it writes, in sim, which imports nanoserve
+    # and never the reverse: so it is found as a plugin, registered in pyproject.toml.
+    found = entry_points(group="nanoserve.recorders", name="trace")
+    if not found:
+        raise ConfigError("--record: no trace recorder is installed (the `sim` package "
+                          "registers one under the entry point group nanoserve.recorders)")
+    recorder_class = next(iter(found)).load()
     log.info("recording traffic to %s%s", a.record, " (prompts redacted)"
              if a.record_redact else "")
-    return TraceRecorder(a.record, weights=a.model, redact=a.record_redact)
+    recorder: Recorder = recorder_class(a.record, weights=a.model, redact=a.record_redact)
+    return recorder
 
 
 async def _watch_signals(
