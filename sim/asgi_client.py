@@ -113,6 +113,14 @@ class AsgiClient:
 async def serve_in_process(app: Any) -> AsyncIterator[AsgiClient]:
     """Run the app's lifespan around the block, as a server would; requests still running
     when the block ends are cancelled before shutdown."""
+    async with lifespan(app) as requests:
+        yield AsgiClient(app, requests)
+
+
+@asynccontextmanager
+async def lifespan(app: Any) -> AsyncIterator[trio.Nursery]:
+    """The ASGI lifespan protocol around the block; yields the nursery to run requests in,
+    which is cancelled when the block ends, before the app is told to shut down."""
     to_app, app_in = trio.open_memory_channel[Message](math.inf)
     app_out, from_app = trio.open_memory_channel[Message](math.inf)
     scope = {"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.0"},
@@ -125,7 +133,7 @@ async def serve_in_process(app: Any) -> AsyncIterator[AsgiClient]:
             raise RuntimeError(f"app startup failed: {msg}")
         async with trio.open_nursery() as requests:
             try:
-                yield AsgiClient(app, requests)
+                yield requests
             finally:
                 requests.cancel_scope.cancel()
         await to_app.send({"type": "lifespan.shutdown"})

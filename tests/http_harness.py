@@ -22,6 +22,8 @@ from typing import Any
 
 import trio
 
+from sim.asgi_client import lifespan
+
 Message = dict[str, Any]
 
 
@@ -190,25 +192,8 @@ class AsgiHarness:
 @asynccontextmanager
 async def serving(app: Any) -> AsyncIterator[AsgiHarness]:
     """Run the app's lifespan around the block, as a server would."""
-    to_app, app_in = trio.open_memory_channel[Message](math.inf)
-    app_out, from_app = trio.open_memory_channel[Message](math.inf)
-    scope = {"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.0"},
-             "state": {}}
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(app, scope, app_in.receive, app_out.send)
-        await to_app.send({"type": "lifespan.startup"})
-        msg = await from_app.receive()
-        if msg["type"] != "lifespan.startup.complete":
-            raise RuntimeError(f"app startup failed: {msg}")
-        async with trio.open_nursery() as requests:
-            try:
-                yield AsgiHarness(app, requests)
-            finally:
-                requests.cancel_scope.cancel()
-        await to_app.send({"type": "lifespan.shutdown"})
-        msg = await from_app.receive()
-        if msg["type"] != "lifespan.shutdown.complete":
-            raise RuntimeError(f"app shutdown failed: {msg}")
+    async with lifespan(app) as requests:
+        yield AsgiHarness(app, requests)
 
 
 @functools.cache
