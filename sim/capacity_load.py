@@ -28,7 +28,7 @@ from nanoserve.sampling import ParamError, SamplingParams
 from nanoserve.server import parse
 from nanoserve.server.errors import ApiError
 from nanoserve.tokenizer import Tokenizer
-from sim.load import _length_sampler, _rng, arrival_times
+from sim.load import arrival_times, draw_shapes
 from sim.load_spec import LoadSpec, SpecError, format_load_spec
 from sim.trace import load_trace
 
@@ -72,7 +72,6 @@ def spec_workload(spec: LoadSpec, tokenizer: Tokenizer | None = None,
     if spec.prompt is None or spec.output is None:
         raise SpecError("prompt" if spec.prompt is None else "output",
                         "is required (a length distribution, e.g. uniform:32:512)")
-    prompt_lengths, output_lengths = spec.prompt, spec.output
     base_rate = spec.rate if spec.rate is not None else 1.0
     if spec.rate is None and spec.arrival != "trace":
         spec = dataclasses.replace(spec, rate=1.0)
@@ -81,16 +80,8 @@ def spec_workload(spec: LoadSpec, tokenizer: Tokenizer | None = None,
     if (spec.arrival == "trace" and spec.rate is None) or spec.rate_end is not None:
         # A trace's own times, or a ramp: the mean rate they span stands for the load.
         base_rate = (n - 1) / times[-1] if n > 1 and times[-1] > 0 else 1.0
-    # The same generators, in the same order, as sim.load.generate_load.
-    prompt_rng, output_rng = _rng(spec.seed, "prompt"), _rng(spec.seed, "output")
-    sample_prompt = _length_sampler(prompt_lengths, "prompt")
-    sample_output = _length_sampler(output_lengths, "output")
-    prompts = [sample_prompt(prompt_rng) for _ in range(n)]
-    outputs = [sample_output(output_rng) for _ in range(n)]
-    shared = set(_rng(spec.seed, "prefix").sample(range(n), round(spec.shared_prefix * n)))
-    hang_rng = _rng(spec.seed, "hangup")
-    hangers = sorted(hang_rng.sample(range(n), round(spec.hangup * n)))
-    frames = {i: hang_rng.randint(0, outputs[i] - 1) for i in hangers}
+    # The same draws as sim.load.generate_load makes for this spec.
+    prompts, outputs, shared, frames = draw_shapes(spec, n)
 
     ids = random.Random(f"nanoserve-capacity:{spec.seed}:ids")
     hi = vocab_size - 1

@@ -166,6 +166,30 @@ def _length_sampler(lengths: Lengths, column: str) -> Callable[[random.Random], 
     return lambda rng: rng.choice(values)
 
 
+Shapes = tuple[list[int], list[int], set[int], dict[int, int]]
+
+
+def draw_shapes(spec: LoadSpec, n: int) -> Shapes:
+    """The per-request draws of a load of `n` requests, each aspect from its own seeded
+    generator (so changing one distribution leaves the others' draws alone): prompt and
+    output lengths, which requests carry the shared prefix, and the frame count after which
+    each hanging-up client closes. `sim load` and `sim capacity` share them."""
+    assert spec.prompt is not None, "callers check for the SpecError first"
+    assert spec.output is not None
+    prompt_rng, output_rng = _rng(spec.seed, "prompt"), _rng(spec.seed, "output")
+    sample_prompt = _length_sampler(spec.prompt, "prompt")
+    sample_output = _length_sampler(spec.output, "output")
+    prompts = [sample_prompt(prompt_rng) for _ in range(n)]
+    outputs = [sample_output(output_rng) for _ in range(n)]
+    # Exact counts, not coin flips: "a fraction f of n requests" is round(f n) of them.
+    shared = set(_rng(spec.seed, "prefix").sample(range(n), round(spec.shared_prefix * n)))
+    hang_rng = _rng(spec.seed, "hangup")
+    hangers = sorted(hang_rng.sample(range(n), round(spec.hangup * n)))
+    # Hang up before the last token's frame (frames ~ tokens when streaming).
+    frames = {i: hang_rng.randint(0, outputs[i] - 1) for i in hangers}
+    return prompts, outputs, shared, frames
+
+
 def generate_load(
     spec: LoadSpec,
     tokenizer: Tokenizer,
@@ -179,17 +203,7 @@ def generate_load(
                         "is required (a length distribution, e.g. uniform:32:512)")
     times = arrival_times(spec)
     n = len(times)
-    prompt_rng, output_rng = _rng(spec.seed, "prompt"), _rng(spec.seed, "output")
-    sample_prompt = _length_sampler(spec.prompt, "prompt")
-    sample_output = _length_sampler(spec.output, "output")
-    prompts = [sample_prompt(prompt_rng) for _ in range(n)]
-    outputs = [sample_output(output_rng) for _ in range(n)]
-    # Exact counts, not coin flips: "a fraction f of n requests" is round(f n) of them.
-    shared = set(_rng(spec.seed, "prefix").sample(range(n), round(spec.shared_prefix * n)))
-    hang_rng = _rng(spec.seed, "hangup")
-    hangers = sorted(hang_rng.sample(range(n), round(spec.hangup * n)))
-    # Hang up before the last token's frame (frames ~ tokens when streaming).
-    frames = {i: hang_rng.randint(0, outputs[i] - 1) for i in hangers}
+    prompts, outputs, shared, frames = draw_shapes(spec, n)
 
     synth = PromptSynth(tokenizer)
     prefix = ""
