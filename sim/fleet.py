@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from nanoserve.engine import Engine, EngineStats, Prepared, StepResult
+from nanoserve.request import Update
 from nanoserve.sampling import ParamError
 from sim.capacity_load import SimRequest
 
@@ -49,6 +50,21 @@ class Record:
     first_token_s: float | None = None
     finish_s: float | None = None
     token_times: list[float] = field(default_factory=list)  # end of each step that gave one
+
+    def observe(self, u: Update, t: float) -> None:
+        """Account one update that reached the client at `t`: tokens, frames (one per update
+        with text or a finish, as the server sends them) and, when final, the outcome."""
+        if u.new_token_ids:
+            if self.first_token_s is None:
+                self.first_token_s = t
+                self.cached_tokens = u.num_cached_tokens
+            self.output_tokens += len(u.new_token_ids)
+            self.token_times.append(t)
+        if u.text or u.finished:
+            self.frames += 1
+        if u.finished:
+            self.status = "failed" if u.error is not None or u.finish_reason == "error" else "ok"
+            self.finish_s = t
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,17 +219,8 @@ def _boundary(rep: _Replica, by_id: dict[str, tuple[SimRequest, Record]],
         if entry is None:
             continue
         req, rec = entry
-        if u.new_token_ids:
-            if rec.first_token_s is None:
-                rec.first_token_s = t
-                rec.cached_tokens = u.num_cached_tokens
-            rec.output_tokens += len(u.new_token_ids)
-            rec.token_times.append(t)
-        if u.text or u.finished:
-            rec.frames += 1
+        rec.observe(u, t)
         if u.finished:
-            rec.status = "failed" if u.error is not None or u.finish_reason == "error" else "ok"
-            rec.finish_s = t
             del by_id[u.request_id]
         elif req.stream and req.hangup_after_frames is not None \
                 and rec.frames >= req.hangup_after_frames:

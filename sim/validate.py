@@ -73,18 +73,8 @@ async def _client(bridge: AsyncEngine, req: SimRequest, rec: Record, t0: float,
     async with bridge.stream(prepared, request_id=req.id) as stream:
         async for u in stream:
             now = trio.current_time() - t0
-            if u.new_token_ids:
-                if rec.first_token_s is None:
-                    rec.first_token_s = now
-                    rec.cached_tokens = u.num_cached_tokens
-                rec.output_tokens += len(u.new_token_ids)
-                rec.token_times.append(now)
-            if u.text or u.finished:
-                rec.frames += 1
+            rec.observe(u, now)
             if u.finished:
-                rec.status = "failed" if u.error is not None or u.finish_reason == "error" \
-                    else "ok"
-                rec.finish_s = now
                 return
             if req.stream and req.hangup_after_frames is not None \
                     and rec.frames >= req.hangup_after_frames:
