@@ -222,7 +222,9 @@ class Engine:
 
     def _detokenizer(
         self, prompt_ids: Sequence[int], params: SamplingParams
-    ) -> IncrementalDetokenizer:
+    ) -> IncrementalDetokenizer | None:
+        if not params.detokenize:
+            return None
         return IncrementalDetokenizer(
             self.tokenizer,
             prompt_ids,
@@ -462,12 +464,15 @@ class Engine:
         if req.first_token_step is None:
             req.first_token_step = self.num_steps
         p = req.params
-        try:
-            assert req.detok is not None
-            matched = req.detok.add_token(token)
-        except Exception as exc:  # e.g. a tokenizer that raises: fails this request only
-            self._failed += 1
-            return self._finish(req, FinishReason.ERROR, (token,), error=f"detokenizer: {exc!r}")
+        detok = req.detok
+        matched = None
+        if detok is not None:  # None: detokenize=False, which forbids stop strings
+            try:
+                matched = detok.add_token(token)
+            except Exception as exc:  # e.g. a tokenizer that raises: fails this request only
+                self._failed += 1
+                return self._finish(req, FinishReason.ERROR, (token,),
+                                    error=f"detokenizer: {exc!r}")
         if token in p.stop_token_ids:
             return self._finish(req, FinishReason.STOP, (token,), stop_reason=token)
         if not p.ignore_eos and token in self.eos_token_ids:
@@ -479,7 +484,7 @@ class Engine:
         return Update(
             req.group,
             (token,),
-            req.detok.pop_delta(),
+            "" if detok is None else detok.pop_delta(),
             index=req.index,
             num_prompt_tokens=req.num_prompt,
             num_output_tokens=req.num_output,

@@ -96,7 +96,9 @@ def spec_workload(spec: LoadSpec, tokenizer: Tokenizer | None = None,
     for i in range(n):
         own = draw(prompts[i])
         prompt = head_ids + (prefix if i in shared else []) + own + tail_ids
-        params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=outputs[i])
+        # Text is only needed to count the frames of a client that hangs up after some.
+        params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=outputs[i],
+                                detokenize=i in frames)
         reqs.append(SimRequest(f"r{i + 1}", times[i], tuple(prompt), params, spec.stream,
                                frames.get(i)))
     return Workload(tuple(reqs), base_rate, format_load_spec(spec))

@@ -214,3 +214,31 @@ def test_stub_eos_probability_finishes_requests_with_stop(stub_tokenizer: Tokeni
     assert set(reasons.values()) == {"stop", "length"} or set(reasons.values()) == {"stop"}
     assert list(reasons.values()).count("stop") >= 15
     assert e.pool.num_free == 256
+
+
+def test_detokenize_false_keeps_the_tokens_and_drops_only_the_text(
+    stub_tokenizer: Tokenizer,
+) -> None:
+    def texts_and_ids(detokenize: bool) -> tuple[str, list[int], int]:
+        e = make(stub_tokenizer, block_size=4, num_blocks=64)
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                detokenize=detokenize)
+        e.add_request(prompt(10), params, "r")
+        text, ids = "", []
+        while e.has_unfinished():
+            for u in e.step().updates:
+                text += u.text
+                ids.extend(u.new_token_ids)
+        return text, ids, e.num_steps
+
+    on, off = texts_and_ids(True), texts_and_ids(False)
+    assert on[0] == stub_tokenizer.decode(on[1]) != ""
+    assert off == ("", on[1], on[2])  # the same 12 tokens in the same 12 steps
+
+
+def test_detokenize_false_refuses_stop_strings() -> None:
+    from nanoserve.sampling import ParamError
+
+    with pytest.raises(ParamError) as info:
+        SamplingParams(stop=["\n"], detokenize=False)
+    assert info.value.field == "stop"

@@ -26,6 +26,7 @@ INVALID: list[tuple[str, Any]] = [
     *[("ignore_eos", v) for v in (1, 0, "true", None)],
     *[("include_stop_str_in_output", v) for v in (1, "no", None)],
     *[("skip_special_tokens", v) for v in (0, "yes", None)],
+    *[("detokenize", v) for v in (1, "false", None)],
     *[
         ("stop_token_ids", v)
         for v in ("5", 5, [1, -1], [1, True], [1.0], [None], None, {1: 2}, b"\x01")
