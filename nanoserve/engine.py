@@ -439,10 +439,15 @@ class Engine:
                     prompt.targets.append(req.token_ids[p + 1])
                     prompt.requests.append(req)
                     b.logits_indices.append(len(b.input_ids) + p - start)
-            b.input_ids.extend(req.token_ids[start:end])
-            b.positions.extend(range(start, end))
             blocks = req.blocks
-            b.slot_mapping.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            if s.num_tokens == 1:  # a decode row: the common case, without the generators
+                b.input_ids.append(req.token_ids[start])
+                b.positions.append(start)
+                b.slot_mapping.append(blocks[start // bs] * bs + start % bs)
+            else:
+                b.input_ids.extend(req.token_ids[start:end])
+                b.positions.extend(range(start, end))
+                b.slot_mapping.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
             b.query_lens.append(s.num_tokens)
             b.context_lens.append(end)
             b.block_tables.append(blocks)

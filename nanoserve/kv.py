@@ -202,6 +202,8 @@ class KVManager:
         Returns False, changing nothing, when the pool cannot."""
         bs = self.block_size
         total = req.num_computed + len(hits) * bs + num_new
+        if not hits and total <= len(req.blocks) * bs:
+            return True  # fits the blocks it holds: most decode steps of most requests
         need = self.blocks_needed(total) - len(req.blocks) - len(hits)
         if not self.pool.can_allocate(max(need, 0), hits):
             return False
