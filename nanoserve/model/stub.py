@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from nanoserve.model.base import ForwardBatch, ModelConfig
@@ -28,6 +29,10 @@ _CORPUS = (
 )
 _MASK = (1 << 64) - 1
 _NUM_CANDIDATES = 6
+# From this many rows pick_greedy hashes them as uint64 arrays (numpy wraps at 2**64, as
+# the masks do); below, the per-row Python loop is cheaper than the array set-up.
+_VECTOR_ROWS = 8
+_TAIL = 4  # history tokens the hash reads
 
 
 def _mix(x: int) -> int:
@@ -36,6 +41,14 @@ def _mix(x: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
     return x ^ (x >> 31)
+
+
+def _mix_array(x: np.ndarray) -> np.ndarray:
+    """`_mix` over a uint64 array."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
 
 
 class StubModel:
@@ -74,6 +87,11 @@ class StubModel:
         for a, b in zip(ids, ids[1:], strict=False):
             self._next.setdefault(a, b)
         self._vocab_pool = sorted(set(ids))
+        self._pool_array = np.array(self._vocab_pool, dtype=np.int64)
+        # `_next` as an array over the vocabulary (-1: no successor), for pick_greedy.
+        self._next_array = np.full(max(tokenizer.vocab_size, max(ids) + 1), -1, dtype=np.int64)
+        for a, b in self._next.items():
+            self._next_array[a] = b
         self._eos_cut = int(eos_prob * (1 << 32))
         self._values = torch.tensor([10.0, 6.0, 5.0, 4.0, 3.0, 2.0])[:_NUM_CANDIDATES]
 
@@ -140,11 +158,32 @@ class StubModel:
         """The argmax of each row `forward` would return, without building [R, vocab]
         logits: the engine's fast path when every row is plain greedy. Simulation runs
         millions of such rows, and the logits tensor and its argmax were most of a step."""
+        rows = self._logits_rows(batch)
+        if len(rows) >= _VECTOR_ROWS and all(upto >= _TAIL for _, upto in rows):
+            return self._top_array(batch, rows)
         out: list[int] = []
-        for row, upto in self._logits_rows(batch):
+        for row, upto in rows:
             hist = batch.histories[row]
             out.append(self._top(upto, hist[max(0, upto - 4) : upto], batch.seeds[row]))
         return out
+
+    def _top_array(self, batch: ForwardBatch, rows: list[tuple[int, int]]) -> list[int]:
+        """`_top` for every row at once (each row with a full tail of four tokens)."""
+        n = len(rows)
+        h = np.fromiter((batch.seeds[r] & _MASK for r, _ in rows), dtype=np.uint64, count=n)
+        lengths = np.fromiter((upto for _, upto in rows), dtype=np.uint64, count=n)
+        tails = np.array([batch.histories[r][upto - _TAIL : upto] for r, upto in rows],
+                         dtype=np.uint64).reshape(n, _TAIL)
+        h = _mix_array(h)  # the first round mixes in 0
+        h = _mix_array(h ^ lengths)
+        for k in range(_TAIL):
+            h = _mix_array(h ^ tails[:, k])
+        follow = self._next_array[tails[:, -1].astype(np.int64)]
+        take_follow = (follow >= 0) & ((h >> np.uint64(32)) % np.uint64(4) != 0)
+        pool = self._pool_array[(_mix_array(h) % np.uint64(len(self._pool_array))).astype(np.int64)]
+        out = np.where(take_follow, follow, pool)
+        out = np.where((h & np.uint64(0xFFFFFFFF)) < np.uint64(self._eos_cut), self._eos, out)
+        return [int(t) for t in out]
 
     def _logits_rows(self, batch: ForwardBatch) -> list[tuple[int, int]]:
         """(row, history length up to and including the token) for each logits index."""
