@@ -5,6 +5,7 @@ Layers, top to bottom; a module imports only from layers below it (DESIGN.md):
     server/       HTTP: OpenAI routes, SSE, metrics (Quart-Trio on Hypercorn)
     serving       AsyncEngine, the Trio bridge: inbox, loop task, per-request channels
     engine        Engine.step(): schedule -> execute -> sample -> update (sync, no clock)
+    batch         a schedule -> the step's ForwardBatch; prompt-logprob rows; work counts
     scheduler     token-budget continuous batching, chunked prefill, preemption
     kv            block pool, ref counts, prefix hashes, block tables (pure Python)
     sampling      SamplingParams; sampler: batched tensor functions, per-row generators

@@ -12,15 +12,23 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoserve.batch import (
+    PromptRows,
+    advance,
+    build_batch,
+    plain_greedy,
+    prompt_logprobs_update,
+    score_prompt,
+)
 from nanoserve.config import ConfigError, EngineConfig
 from nanoserve.detokenizer import IncrementalDetokenizer
 from nanoserve.kv import BlockPool, KVManager
 from nanoserve.model.base import ForwardBatch, Model
 from nanoserve.model.stub import _mix
 from nanoserve.request import FinishReason, Request, Status, Update
-from nanoserve.sampler import SampleOutput, SamplingRow, TokenLogprobs, sample, token_logprobs
+from nanoserve.sampler import SampleOutput, SamplingRow, sample
 from nanoserve.sampling import ParamError, SamplingParams
-from nanoserve.scheduler import Schedule, Scheduler
+from nanoserve.scheduler import Scheduler
 from nanoserve.tokenizer import Tokenizer
 
 
@@ -35,34 +43,6 @@ class Prepared:
     prompt_ids: list[int]
     params: SamplingParams
     max_tokens: int  # resolved: the params' own, or the rest of the context
-
-
-@dataclass(slots=True)
-class _PromptRows:
-    """The logits rows of a step that score prompt tokens (params.prompt_logprobs)."""
-
-    rows: list[int]  # [P] row in the model's logits
-    targets: list[int]  # [P] the prompt token each row scores (the one after its position)
-    requests: list[Request]  # [P] whose prompt
-
-
-@dataclass(slots=True)
-class _Work:
-    """What a step computed, for StepResult and the engine's counters."""
-
-    prefill: int = 0
-    decode: int = 0
-    prefill_seqs: int = 0
-    decode_context: int = 0
-    prefill_attention: int = 0
-
-
-def _plain_greedy(p: SamplingParams) -> bool:
-    """Whether the sampler's answer for this row is the bare argmax of the model's logits
-    (sampler._process leaves such a row untouched; see its stages)."""
-    return (p.temperature == 0 and p.logprobs is None and p.prompt_logprobs is None
-            and p.repetition_penalty == 1 and p.presence_penalty == 0
-            and p.frequency_penalty == 0 and not p.logit_bias and p.min_tokens == 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,16 +303,17 @@ class Engine:
         schedule = self.scheduler.schedule()
         if not schedule.scheduled:
             return StepResult(self.num_steps, (), self._ids(schedule.preempted), 0, 0)
-        batch, samplers, sample_rows, prompt = self._build_batch(schedule)
+        batch, samplers, sample_rows, prompt = build_batch(
+            schedule, self.pool.block_size, self._group_params)
         try:
             # The stub can name greedy tokens without vocabulary-wide logits (simulation
             # speed); it returns exactly the argmax the sampler would take.
             direct = self._pick_directly(batch, samplers, prompt)
             logits = self.model.forward(batch) if direct is None else torch.empty(0)
             if prompt.rows:
-                self._score_prompt(logits, prompt)
+                score_prompt(logits, prompt)
                 logits = logits[torch.tensor(sample_rows, dtype=torch.long, device=logits.device)]
-            work = self._advance(schedule)
+            work = advance(schedule, self.kv)
             rows = self._fork_rows(samplers)
             picked = None if direct is None else SampleOutput(
                 [direct[i] for i, _ in rows], [None] * len(rows))
@@ -367,31 +348,13 @@ class Engine:
                           work.decode, work.prefill_seqs, work.decode_context,
                           work.prefill_attention)
 
-    def _advance(self, schedule: Schedule) -> _Work:
-        """Count the step's tokens as computed and name the blocks they filled."""
-        w = _Work()
-        for s in schedule.scheduled:
-            req = s.request
-            start = req.num_computed
-            end = start + s.num_tokens
-            if req.num_output > 0 and start == req.num_tokens - 1:
-                w.decode += s.num_tokens
-                w.decode_context += end
-            else:
-                w.prefill += s.num_tokens
-                w.prefill_seqs += 1
-                w.prefill_attention += (end * (end + 1) - start * (start + 1)) // 2
-            req.num_computed = end
-            self.kv.commit(req)
-        return w
-
     def _pick_directly(
-        self, batch: ForwardBatch, samplers: list[Request], prompt: _PromptRows
+        self, batch: ForwardBatch, samplers: list[Request], prompt: PromptRows
     ) -> list[int] | None:
         """The model's own greedy picks (one per logits row), when it offers them and every
         row would take a plain argmax: greedy, no logprobs, nothing that edits logits."""
         pick = getattr(self.model, "pick_greedy", None)
-        if pick is None or prompt.rows or not all(_plain_greedy(r.params) for r in samplers):
+        if pick is None or prompt.rows or not all(plain_greedy(r.params) for r in samplers):
             return None
         picked: list[int] = pick(batch)
         return picked
@@ -405,62 +368,6 @@ class Engine:
             if r.pending_children:
                 rows += [(i, c) for c in self._fork(r) if c.num_computed]
         return rows
-
-    def _score_prompt(self, logits: torch.Tensor, prompt: _PromptRows) -> None:
-        """Append this step's prompt logprobs to their requests, in position order."""
-        idx = torch.tensor(prompt.rows, device=logits.device)
-        targets = torch.tensor(prompt.targets, device=logits.device)
-        ks = [r.params.prompt_logprobs or 0 for r in prompt.requests]
-        for req, lp in zip(
-            prompt.requests, token_logprobs(logits[idx], targets, ks), strict=True
-        ):
-            req.prompt_logprobs.append(lp)
-
-    def _build_batch(
-        self, schedule: Schedule
-    ) -> tuple[ForwardBatch, list[Request], list[int], _PromptRows]:
-        """The step's batch; the requests that sample, and their rows in the logits; and the
-        rows that score prompt tokens. Logits rows stay in flat token order (the stub needs
-        that), so a request's prompt rows come before its sampling row."""
-        bs = self.pool.block_size
-        b = ForwardBatch([], [], [], [], [], [], [], [], [])
-        samplers: list[Request] = []
-        sample_rows: list[int] = []
-        prompt = _PromptRows([], [], [])
-        for s in schedule.scheduled:
-            req = s.request
-            start, end = req.num_computed, req.num_computed + s.num_tokens
-            if req.needs_prompt_logprobs:
-                # The logits at position p score prompt token p + 1. Positions already
-                # scored before a preemption are not scored again.
-                first = max(start, len(req.prompt_logprobs) - 1)
-                for p in range(first, min(end, req.num_prompt - 1)):
-                    prompt.rows.append(len(b.logits_indices))
-                    prompt.targets.append(req.token_ids[p + 1])
-                    prompt.requests.append(req)
-                    b.logits_indices.append(len(b.input_ids) + p - start)
-            blocks = req.blocks
-            if s.num_tokens == 1:  # a decode row: the common case, without the generators
-                b.input_ids.append(req.token_ids[start])
-                b.positions.append(start)
-                b.slot_mapping.append(blocks[start // bs] * bs + start % bs)
-            else:
-                b.input_ids.extend(req.token_ids[start:end])
-                b.positions.extend(range(start, end))
-                b.slot_mapping.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            b.query_lens.append(s.num_tokens)
-            b.context_lens.append(end)
-            b.block_tables.append(blocks)
-            b.histories.append(req.token_ids)
-            # The stub's logits follow the caller's seed: all n completions of a request
-            # see the same model, as they would with real weights.
-            group_seed = self._group_params[req.group].seed
-            b.seeds.append(group_seed if group_seed is not None else 0)
-            if s.samples:
-                sample_rows.append(len(b.logits_indices))
-                b.logits_indices.append(len(b.input_ids) - 1)
-                samplers.append(req)
-        return b, samplers, sample_rows, prompt
 
     def _update(self, req: Request, token: int, logprobs: object) -> Update:
         """Append a sampled token and decide whether the request is done."""
@@ -495,7 +402,7 @@ class Engine:
             num_output_tokens=req.num_output,
             num_cached_tokens=req.num_cached_prompt,
             logprobs=(req.logprobs[-1],),
-            prompt_logprobs=self._prompt_logprobs(req),
+            prompt_logprobs=prompt_logprobs_update(req),
         )
 
     def _finish(
@@ -539,15 +446,8 @@ class Engine:
             num_output_tokens=req.num_output,
             num_cached_tokens=req.num_cached_prompt,
             logprobs=tuple(req.logprobs[-len(new_tokens) :]) if new_tokens else (),
-            prompt_logprobs=self._prompt_logprobs(req) if new_tokens else None,
+            prompt_logprobs=prompt_logprobs_update(req) if new_tokens else None,
         )
-
-    @staticmethod
-    def _prompt_logprobs(req: Request) -> tuple[TokenLogprobs | None, ...] | None:
-        """The prompt's logprobs, on the update of the first output token only."""
-        if req.params.prompt_logprobs is None or req.num_output != 1:
-            return None
-        return tuple(req.prompt_logprobs)
 
     # -- introspection ---------------------------------------------------------------------------
 

@@ -1,0 +1,133 @@
+"""A step's batch, built from the schedule, and what the step computed.
+
+The engine's bookkeeping around the model call, kept apart from `Engine` so that the step
+itself reads as schedule, execute, sample, update: the flat ForwardBatch (with the logits
+rows that sample and those that score prompt tokens), the prompt logprobs those rows give,
+and the counts of prefill and decode work a step-cost model reads (StepResult).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from nanoserve.kv import KVManager
+from nanoserve.model.base import ForwardBatch
+from nanoserve.request import Request
+from nanoserve.sampler import TokenLogprobs, token_logprobs
+from nanoserve.sampling import SamplingParams
+from nanoserve.scheduler import Schedule
+
+
+@dataclass(slots=True)
+class PromptRows:
+    """The logits rows of a step that score prompt tokens (params.prompt_logprobs)."""
+
+    rows: list[int]  # [P] row in the model's logits
+    targets: list[int]  # [P] the prompt token each row scores (the one after its position)
+    requests: list[Request]  # [P] whose prompt
+
+
+@dataclass(slots=True)
+class Work:
+    """What a step computed, for StepResult and the engine's counters."""
+
+    prefill: int = 0
+    decode: int = 0
+    prefill_seqs: int = 0
+    decode_context: int = 0
+    prefill_attention: int = 0
+
+
+def plain_greedy(p: SamplingParams) -> bool:
+    """Whether the sampler's answer for this row is the bare argmax of the model's logits
+    (sampler._process leaves such a row untouched; see its stages)."""
+    return (p.temperature == 0 and p.logprobs is None and p.prompt_logprobs is None
+            and p.repetition_penalty == 1 and p.presence_penalty == 0
+            and p.frequency_penalty == 0 and not p.logit_bias and p.min_tokens == 0)
+
+
+def build_batch(
+    schedule: Schedule, block_size: int, group_params: Mapping[str, SamplingParams]
+) -> tuple[ForwardBatch, list[Request], list[int], PromptRows]:
+    """The step's batch; the requests that sample, and their rows in the logits; and the
+    rows that score prompt tokens. Logits rows stay in flat token order (the stub needs
+    that), so a request's prompt rows come before its sampling row."""
+    bs = block_size
+    b = ForwardBatch([], [], [], [], [], [], [], [], [])
+    samplers: list[Request] = []
+    sample_rows: list[int] = []
+    prompt = PromptRows([], [], [])
+    for s in schedule.scheduled:
+        req = s.request
+        start, end = req.num_computed, req.num_computed + s.num_tokens
+        if req.needs_prompt_logprobs:
+            # The logits at position p score prompt token p + 1. Positions already
+            # scored before a preemption are not scored again.
+            first = max(start, len(req.prompt_logprobs) - 1)
+            for p in range(first, min(end, req.num_prompt - 1)):
+                prompt.rows.append(len(b.logits_indices))
+                prompt.targets.append(req.token_ids[p + 1])
+                prompt.requests.append(req)
+                b.logits_indices.append(len(b.input_ids) + p - start)
+        blocks = req.blocks
+        if s.num_tokens == 1:  # a decode row: the common case, without the generators
+            b.input_ids.append(req.token_ids[start])
+            b.positions.append(start)
+            b.slot_mapping.append(blocks[start // bs] * bs + start % bs)
+        else:
+            b.input_ids.extend(req.token_ids[start:end])
+            b.positions.extend(range(start, end))
+            b.slot_mapping.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+        b.query_lens.append(s.num_tokens)
+        b.context_lens.append(end)
+        b.block_tables.append(blocks)
+        b.histories.append(req.token_ids)
+        # The stub's logits follow the caller's seed: all n completions of a request
+        # see the same model, as they would with real weights.
+        group_seed = group_params[req.group].seed
+        b.seeds.append(group_seed if group_seed is not None else 0)
+        if s.samples:
+            sample_rows.append(len(b.logits_indices))
+            b.logits_indices.append(len(b.input_ids) - 1)
+            samplers.append(req)
+    return b, samplers, sample_rows, prompt
+
+
+def score_prompt(logits: torch.Tensor, prompt: PromptRows) -> None:
+    """Append this step's prompt logprobs to their requests, in position order."""
+    idx = torch.tensor(prompt.rows, device=logits.device)
+    targets = torch.tensor(prompt.targets, device=logits.device)
+    ks = [r.params.prompt_logprobs or 0 for r in prompt.requests]
+    for req, lp in zip(
+        prompt.requests, token_logprobs(logits[idx], targets, ks), strict=True
+    ):
+        req.prompt_logprobs.append(lp)
+
+
+def advance(schedule: Schedule, kv: KVManager) -> Work:
+    """Count the step's tokens as computed and name the blocks they filled."""
+    w = Work()
+    for s in schedule.scheduled:
+        req = s.request
+        start = req.num_computed
+        end = start + s.num_tokens
+        if req.num_output > 0 and start == req.num_tokens - 1:
+            w.decode += s.num_tokens
+            w.decode_context += end
+        else:
+            w.prefill += s.num_tokens
+            w.prefill_seqs += 1
+            w.prefill_attention += (end * (end + 1) - start * (start + 1)) // 2
+        req.num_computed = end
+        kv.commit(req)
+    return w
+
+
+def prompt_logprobs_update(req: Request) -> tuple[TokenLogprobs | None, ...] | None:
+    """The prompt's logprobs, on the update of the first output token only."""
+    if req.params.prompt_logprobs is None or req.num_output != 1:
+        return None
+    return tuple(req.prompt_logprobs)
