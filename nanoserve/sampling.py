@@ -50,9 +50,13 @@ def _float(name: str, value: object, ok: bool | None, allowed: str) -> float:
     """Check a number; `ok` is None to only type-check, else whether the range check passed."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ParamError(name, f"{name} must be a number {allowed}, got {value!r}")
-    if not math.isfinite(value) or ok is False:
-        raise ParamError(name, f"{name} must be {allowed}, got {value!r}")
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an integer past the largest double: outside every range here
+        number = math.inf
+    if not math.isfinite(number) or ok is False:
+        raise ParamError(name, f"{name} must be {allowed}, got {value!r:.80}")
+    return number
 
 
 def _bool(name: str, value: object) -> bool:

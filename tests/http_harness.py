@@ -23,6 +23,7 @@ from typing import Any
 import trio
 
 from sim.asgi_client import lifespan
+from sim.loopback import hypercorn_on_loopback  # noqa: F401  (re-exported for the tests)
 
 Message = dict[str, Any]
 
@@ -203,24 +204,3 @@ def stub_parts() -> tuple[Any, Any]:
     from nanoserve.model import load
 
     return load("stub")
-
-
-@asynccontextmanager
-async def hypercorn_on_loopback(app: Any) -> AsyncIterator[str]:
-    """Serve `app` through a real Hypercorn socket on a free 127.0.0.1 port; yield its URL.
-
-    Stopped through `shutdown_trigger`, never by cancelling `serve` (DESIGN.md pitfalls)."""
-    import hypercorn.config
-    import hypercorn.trio
-
-    config = hypercorn.config.Config()
-    config.bind = ["127.0.0.1:0"]
-    config.graceful_timeout = 5.0
-    stop = trio.Event()
-    async with trio.open_nursery() as nursery:
-        binds = await nursery.start(functools.partial(hypercorn.trio.serve, app, config,
-                                                      shutdown_trigger=stop.wait))
-        try:
-            yield binds[0]
-        finally:
-            stop.set()

@@ -153,7 +153,8 @@ async def test_stalled_body_is_408(autojump_clock: trio.testing.MockClock) -> No
                           headers={"content-length": "100"})
         await ex.send_body(b'{"prompt": "half a bo', more=True)  # ... and nothing more
         start = trio.current_time()
-        r = await ex.read_all()
+        with trio.fail_after(60):  # virtual seconds: without the body timeout this fails, not hangs
+            r = await ex.read_all()
         assert_error(r, 408, None)
         assert trio.current_time() - start == pytest.approx(30.0)
         await assert_serving(h)
@@ -215,7 +216,8 @@ async def test_queue_limit_answers_429_with_retry_after() -> None:
     async with serving(make_app(engine, clock=gate, max_queue=2)) as h:
         waiting = [await h.open("POST", "/v1/completions", json_body=GOOD) for _ in range(2)]
         await trio.testing.wait_all_tasks_blocked()
-        r = await h.post("/v1/completions", GOOD)
+        with trio.fail_after(30):  # a deadlock guard: without the limit it would queue forever
+            r = await h.post("/v1/completions", GOOD)
         err = assert_error(r, 429, None)
         assert err["code"] == "queue_full"
         assert r.headers["retry-after"] == "1"

@@ -3,6 +3,7 @@
     app.py       create_app(): the app around one engine; auth, errors, the engine task
     openai.py    POST /v1/completions, POST /v1/chat/completions
     admin.py     GET /health, /v1/models, /metrics; POST /tokenize, /detokenize
+    openapi.py   GET /openapi.json: the OpenAPI 3.1 document of these routes
     parse.py     request bodies -> SamplingParams and prompts (400s naming the field)
     respond.py   a job -> a unary JSON body or an SSE stream; status before the first byte
     render.py    response shapes: choices, chunks, logprobs, usage

@@ -29,7 +29,7 @@ from werkzeug.exceptions import HTTPException
 
 from nanoserve.clock import Clock
 from nanoserve.engine import Engine, StepResult
-from nanoserve.server import admin, openai, recording
+from nanoserve.server import admin, openai, openapi, recording
 from nanoserve.server.errors import ApiError, error_object
 from nanoserve.server.jobs import Registry
 from nanoserve.server.metrics import Metrics
@@ -59,7 +59,8 @@ def create_app(
     startup). `on_fatal` is called if that load fails, so `serve` can exit non-zero.
     `recorder` (server.recording; `serve --record`) is told what a trace needs, and is
     closed once the engine has stopped."""
-    app = QuartTrio("nanoserve")
+    # No static folder: Quart would otherwise add an undocumented /static/<path> route.
+    app = QuartTrio("nanoserve", static_folder=None)
     app.asgi_http_class = _Connection
     app.config.update(
         RESPONSE_TIMEOUT=None,  # would cut long streams without their terminator
@@ -104,6 +105,7 @@ def create_app(
     app.register_error_handler(Exception, _unexpected)
     openai.register(app)
     admin.register(app)
+    openapi.register(app)
     return app
 
 

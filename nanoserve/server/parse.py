@@ -12,6 +12,7 @@ them would hand back an answer of a different shape than the client asked for.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -57,7 +58,35 @@ def loads(raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise bad_request(None, f"request body must be a JSON object, got {type(body).__name__}",
                           "invalid_json")
+    # Only an escape can smuggle one in (raw bytes must be UTF-8), so most bodies skip the walk.
+    if _SURROGATE_ESCAPE.search(raw):
+        _refuse_lone_surrogates(body)
     return body
+
+
+# `\uD800`-`\uDFFF`: a half of a UTF-16 pair; a whole pair decodes to one code point.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _refuse_lone_surrogates(body: dict[str, Any]) -> None:
+    """JSON may spell a lone UTF-16 surrogate (`"\\ud800"`), but it is no Unicode character:
+    the tokenizer cannot encode it and a response cannot carry it, so it is a 400 here rather
+    than a 500 later. Iterative, so a deeply nested body cannot exhaust the stack."""
+    for key, value in body.items():
+        stack: list[Any] = [key, value]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, str):
+                if _SURROGATE.search(item):
+                    param = None if _SURROGATE.search(key) else key  # a field name we can echo
+                    raise bad_request(param, f"{key!r:.40} holds a lone UTF-16 surrogate, "
+                                      "which is not a Unicode character", "invalid_json")
+            elif isinstance(item, dict):
+                stack.extend(item.keys())
+                stack.extend(item.values())
+            elif isinstance(item, list):
+                stack.extend(item)
 
 
 def check_model(body: Mapping[str, Any], served: str, *, required: bool = False) -> None:

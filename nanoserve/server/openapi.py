@@ -1,0 +1,267 @@
+"""`GET /openapi.json`: an OpenAPI 3.1 document of exactly the routes the app registers.
+
+The document is built in code from the same limits the validators use (`sampling.MAX_N`,
+`MAX_LOGPROBS`, ...), so it cannot drift from them silently; tests/test_openapi.py checks
+that its paths and methods equal the app's URL map. Request schemas describe the types and
+ranges that `parse` and `SamplingParams` check one field at a time. What a schema cannot say
+(a prompt plus max_tokens that overflows max_model_len or the KV pool, min_tokens above
+max_tokens, a chat template that refuses a role) is a 400 too, named in `description`s.
+Fields the server refuses (tools, suffix, ...) are typed `null`: absent or null is fine,
+any value is a 400. Unknown fields are ignored, hence `additionalProperties` is left open.
+
+The route needs the API key like every route but `/health`: the document maps the surface
+an attacker would probe, and a client that may call the API may read it. The bearer scheme
+appears only when the server has a key. HEAD and OPTIONS, which Quart adds to every route
+on its own, are left out; the fuzz tests check that they answer without a 5xx.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from quart import Quart, Response
+
+from nanoserve.sampling import MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, MAX_LOGPROBS, MAX_N
+from nanoserve.sampling import MAX_STOP_STRINGS as MAX_STOP
+from nanoserve.server.respond import json_response
+from nanoserve.server.state import ServerConfig, current_state
+
+Schema = dict[str, Any]
+ERROR_REF = {"$ref": "#/components/schemas/Error"}
+
+
+def _opt(schema: Schema) -> Schema:
+    """The field may also be null, which means absent (parse drops nulls)."""
+    kind = schema.get("type")
+    if isinstance(kind, str):
+        return {**schema, "type": [kind, "null"]}
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _int(lo: int | None = None, hi: int | None = None, **kw: Any) -> Schema:
+    out: Schema = {"type": "integer", **kw}
+    if lo is not None:
+        out["minimum"] = lo
+    if hi is not None:
+        out["maximum"] = hi
+    return out
+
+
+def _token_ids(vocab: int | None, *, min_items: int = 0) -> Schema:
+    hi = None if vocab is None else vocab - 1
+    return {"type": "array", "items": _int(0, hi), "minItems": min_items}
+
+
+def _sampling(vocab: int | None, max_len: int | None) -> dict[str, Schema]:
+    """The fields copied into SamplingParams, with its ranges (nanoserve/sampling.py)."""
+    hi_tok = None if max_len is None else max_len - 1
+    pen = {"type": "number", "minimum": -MAX_ABS_PENALTY, "maximum": MAX_ABS_PENALTY}
+    bias = {"type": "number", "minimum": -MAX_ABS_LOGIT_BIAS, "maximum": MAX_ABS_LOGIT_BIAS}
+    stop_str = {"type": "string", "minLength": 1}
+    return {
+        "n": _opt(_int(1, MAX_N)),
+        "temperature": _opt({"type": "number", "minimum": 0, "description": "0 is greedy"}),
+        "top_p": _opt({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
+        "top_k": _opt(_int(-1, description="0 or -1: off")),
+        "min_p": _opt({"type": "number", "minimum": 0, "maximum": 1}),
+        "seed": _opt(_int()),
+        "max_tokens": _opt(_int(1, hi_tok, description="prompt + max_tokens must fit "
+                                "max_model_len and the KV pool (else a 400)")),
+        "min_tokens": _opt(_int(0, description="at most max_tokens")),
+        "ignore_eos": _opt({"type": "boolean"}),
+        "stop_token_ids": _opt(_token_ids(vocab)),
+        "stop": _opt({"anyOf": [stop_str, {"type": "array", "items": stop_str,
+                                           "maxItems": MAX_STOP}]}),
+        "include_stop_str_in_output": _opt({"type": "boolean"}),
+        "skip_special_tokens": _opt({"type": "boolean"}),
+        "presence_penalty": _opt(pen),
+        "frequency_penalty": _opt(pen),
+        "repetition_penalty": _opt({"type": "number", "exclusiveMinimum": 0}),
+        "logit_bias": _opt({"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
+                            "additionalProperties": bias,
+                            "description": "token id (a decimal string) -> bias"}),
+        "stream": _opt({"type": "boolean"}),
+        "stream_options": _opt({"type": "object", "description": "only with stream: true",
+                                "properties": {"include_usage": {"type": "boolean"}}}),
+    }
+
+
+def _refused(*names: str) -> dict[str, Schema]:
+    return {n: {"type": "null", "description": "not supported: any value is a 400"}
+            for n in names}
+
+
+def _body(props: dict[str, Schema], required: list[str], description: str) -> Schema:
+    return {"type": "object", "properties": props, "required": required,
+            "description": description}
+
+
+def request_schemas(model: str, vocab: int | None, max_len: int | None) -> dict[str, Schema]:
+    """The JSON body of each POST route, by path."""
+    text = {"type": "string", "minLength": 1}
+    prompt = {"anyOf": [
+        text,
+        {"type": "array", "items": text, "minItems": 1},
+        _token_ids(vocab, min_items=1),
+        {"type": "array", "items": _token_ids(vocab, min_items=1), "minItems": 1},
+    ]}
+    part = {"type": "object", "required": ["type", "text"],
+            "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+    message = {"type": "object", "required": ["role"], "properties": {
+        "role": {"type": "string", "description": "the chat template may refuse a role"},
+        "content": {"anyOf": [{"type": "string"}, {"type": "null"},
+                              {"type": "array", "items": part}]},
+    }}
+    messages = {"type": "array", "items": message, "minItems": 1}
+    model_s = _opt({"type": "string", "enum": [model]})
+    common = {"model": model_s, **_sampling(vocab, max_len)}
+    completion = _body({
+        **common, "prompt": prompt, "echo": _opt({"type": "boolean"}),
+        "logprobs": _opt(_int(0, MAX_LOGPROBS)),
+        "best_of": _opt(_int(1, MAX_N, description="must equal n")),
+        **_refused("tools", "tool_choice", "functions", "function_call", "suffix",
+                   "prompt_logprobs"),
+    }, ["prompt"], "A completion; each prompt string is tokenized and must be non-empty.")
+    chat = _body({
+        **common, "messages": messages,
+        "add_generation_prompt": _opt({"type": "boolean"}),
+        "max_completion_tokens": common["max_tokens"],
+        "logprobs": _opt({"type": "boolean"}),
+        "top_logprobs": _opt(_int(0, MAX_LOGPROBS, description="needs logprobs: true")),
+        "response_format": _opt({"type": "object", "required": ["type"],
+                                 "properties": {"type": {"const": "text"}},
+                                 "additionalProperties": False}),
+        **_refused("tools", "tool_choice", "functions", "function_call", "suffix",
+                   "prompt_logprobs"),
+    }, ["messages"], "A chat completion; messages go through the chat template.")
+    tokenize = {"type": "object", "description": "prompt, or messages (which win)",
+                "anyOf": [{"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+                          {"required": ["messages"], "properties": {"messages": messages}}],
+                "properties": {"model": model_s, "prompt": {"type": "string"},
+                               "messages": _opt(messages),
+                               "add_generation_prompt": _opt({"type": "boolean"}),
+                               "add_special_tokens": _opt({"type": "boolean"}),
+                               "return_token_strs": _opt({"type": "boolean"})}}
+    detokenize = _body({"model": model_s, "tokens": _token_ids(vocab, min_items=1)},
+                       ["tokens"], "Token ids back to text.")
+    return {"/v1/completions": completion, "/v1/chat/completions": chat,
+            "/tokenize": tokenize, "/detokenize": detokenize}
+
+
+def _obj(props: dict[str, Schema], **kw: Any) -> Schema:
+    return {"type": "object", "properties": props, "required": sorted(props), **kw}
+
+
+_NUM = {"type": "integer"}
+_STR = {"type": "string"}
+_USAGE = _obj({"prompt_tokens": _NUM, "completion_tokens": _NUM, "total_tokens": _NUM})
+_FINISH = {"finish_reason": {"type": ["string", "null"]},
+           "stop_reason": {"type": ["string", "integer", "null"]}}
+
+
+def _generation(kind: str, choice: dict[str, Schema]) -> Schema:
+    return _obj({"id": _STR, "object": {"const": kind}, "created": _NUM, "model": _STR,
+                 "usage": _USAGE, "choices": {"type": "array", "items": _obj(
+                     {"index": _NUM, "logprobs": {"type": ["object", "null"]},
+                      **_FINISH, **choice})}})
+
+
+def _ok(schema: Schema, *, sse: bool = False, media: str = "application/json") -> Schema:
+    content = {media: {"schema": schema}}
+    if sse:
+        content["text/event-stream"] = {"schema": {
+            "type": "string", "description": "`data: {chunk}` frames, then `data: [DONE]`"}}
+    return {"description": "OK", "content": content}
+
+
+_WHY = {400: "invalid request (param names the field)", 401: "missing or wrong API key",
+        404: "unknown model", 408: "the body did not arrive in time",
+        413: "the body is over the size limit", 429: "the queue is full (see Retry-After)",
+        503: "loading, shutting down, or the engine has failed"}
+
+
+def _operation(summary: str, ok: Schema, errors: tuple[int, ...], body: Schema | None,
+               *, public: bool = False, auth: bool) -> Schema:
+    codes = errors + (() if public or not auth else (401,))
+    op: Schema = {"summary": summary, "responses": {"200": ok, **{
+        str(c): {"description": _WHY[c], "content": {"application/json": {"schema": ERROR_REF}}}
+        for c in sorted(codes)}}}
+    if 429 in codes:  # the generation routes: a queue limit, and a client may name its request
+        op["responses"]["429"]["headers"] = {"Retry-After": {"required": True, "schema": _STR}}
+        op["parameters"] = [{"name": "X-Request-Id", "in": "header", "required": False,
+                             "schema": {"type": "string", "pattern": "^[!-~]{1,128}$"}}]
+    if body is not None:
+        op["requestBody"] = {"required": True,
+                             "content": {"application/json": {"schema": body}}}
+    if public and auth:
+        op["security"] = []
+    return op
+
+
+def document(config: ServerConfig, *, vocab_size: int | None = None,
+             max_model_len: int | None = None) -> Schema:
+    """The whole document; the token-id and max_tokens bounds appear once a model is loaded."""
+    auth = config.api_key is not None
+    body = request_schemas(config.served_model_name, vocab_size, max_model_len)
+    gen = (400, 404, 408, 413, 429, 503)
+    aux = (400, 404, 408, 413, 503)
+    completion = _generation("text_completion", {"text": _STR})
+    chat = _generation("chat.completion", {"message": _obj(
+        {"role": {"const": "assistant"}, "content": _STR})})
+    card = _obj({"id": _STR, "object": {"const": "model"}, "created": _NUM,
+                 "owned_by": _STR, "root": _STR, "parent": {"type": "null"},
+                 "max_model_len": {"type": ["integer", "null"]}})
+    tok_out = _obj({"count": _NUM, "max_model_len": _NUM,
+                    "tokens": {"type": "array", "items": _NUM},
+                    "token_strs": {"type": ["array", "null"], "items": _STR}})
+
+    def op(*args: Any, **kw: Any) -> Schema:
+        return _operation(*args, auth=auth, **kw)
+
+    paths = {
+        "/v1/completions": {"post": op("Complete prompts", _ok(completion, sse=True), gen,
+                                       body["/v1/completions"])},
+        "/v1/chat/completions": {"post": op("Chat", _ok(chat, sse=True), gen,
+                                            body["/v1/chat/completions"])},
+        "/health": {"get": op("Liveness: 503 while loading, draining or dead",
+                              _ok(_obj({"status": {"const": "ok"}})), (503,), None,
+                              public=True)},
+        "/v1/models": {"get": op("The served model", _ok(_obj(
+            {"object": {"const": "list"}, "data": {"type": "array", "items": card}})), (),
+            None)},
+        "/metrics": {"get": op("Prometheus text exposition 0.0.4", _ok(_STR, media=
+                               "text/plain"), (), None)},
+        "/tokenize": {"post": op("Text or chat messages to token ids", _ok(tok_out), aux,
+                                 body["/tokenize"])},
+        "/detokenize": {"post": op("Token ids to text", _ok(_obj({"prompt": _STR})), aux,
+                                   body["/detokenize"])},
+        "/openapi.json": {"get": op("This document", _ok({"type": "object"}), (), None)},
+    }
+    doc: Schema = {
+        "openapi": "3.1.0",
+        "info": {"title": "nanoserve", "version": "0.1.0",
+                 "description": "OpenAI-compatible completions and chat (with vLLM's "
+                 "extensions). Every non-2xx answer is the OpenAI error object. Integers "
+                 "are JSON integers: 2, not 2.0 (JSON Schema counts 2.0 as an integer; "
+                 "the validators refuse it, as they refuse true for 1)."},
+        "paths": paths,
+        "components": {"schemas": {"Error": _obj({"error": _obj({
+            "message": _STR, "type": _STR, "param": {"type": ["string", "null"]},
+            "code": {"type": ["string", "null"]}}, additionalProperties=False)},
+            additionalProperties=False)}},
+    }
+    if auth:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        doc["security"] = [{"bearer": []}]
+    return copy.deepcopy(doc)  # the module's shared pieces must not be edited through it
+
+
+def register(app: Quart) -> None:
+    @app.get("/openapi.json")
+    async def openapi_json() -> Response:
+        st = current_state()
+        eng = st.ready.engine if st.ready is not None else None
+        return json_response(document(
+            st.config, vocab_size=eng.model.config.vocab_size if eng else None,
+            max_model_len=eng.max_model_len if eng else None))
