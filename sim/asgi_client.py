@@ -7,9 +7,10 @@ client hangs up. Every channel is unbounded and the app's `send` never waits, so
 that reads slowly never slows the app (DESIGN.md: per-request queues are unbounded); what
 the app has sent simply waits here until the client reads it.
 
-Nothing here blocks on the app except lifespan: the driver reads what has arrived with
-`poll()` after `trio.testing.wait_all_tasks_blocked()`, which is what keeps a replay a
-function of its trace rather than of Trio's task order.
+Nothing here blocks on the app except lifespan and `wait_complete()` (for a client that
+stalls its body, once the engine is idle): the driver reads what has arrived with `poll()`
+after `trio.testing.wait_all_tasks_blocked()`, which is what keeps a replay a function of
+its trace rather than of Trio's task order.
 """
 
 from __future__ import annotations
@@ -48,13 +49,30 @@ class Exchange:
                 msg = self._from_app.receive_nowait()
             except (trio.WouldBlock, trio.EndOfChannel):
                 break
-            if msg["type"] == "http.response.start":
-                self.status = msg["status"]
-            elif msg["type"] == "http.response.body":
-                chunk = msg.get("body", b"")
-                self.body += chunk
-                self._pending += chunk
-                self.complete = not msg.get("more_body", False)
+            self._take(msg)
+        self._split()
+
+    async def wait_complete(self) -> None:
+        """Block until the app has sent its whole response. The one blocking read here: for
+        a client that stalls, whose answer (a 408) comes only when time passes, and time
+        passes (an autojump clock) only while every task, this one included, waits."""
+        while not self.complete:
+            try:
+                self._take(await self._from_app.receive())
+            except trio.EndOfChannel:
+                break
+        self._split()
+
+    def _take(self, msg: Message) -> None:
+        if msg["type"] == "http.response.start":
+            self.status = msg["status"]
+        elif msg["type"] == "http.response.body":
+            chunk = msg.get("body", b"")
+            self.body += chunk
+            self._pending += chunk
+            self.complete = not msg.get("more_body", False)
+
+    def _split(self) -> None:
         block, sep, rest = bytes(self._pending).rpartition(b"\n\n")
         if sep:
             self._pending = bytearray(rest)
@@ -85,8 +103,10 @@ class AsgiClient:
         self._app = app
         self._nursery = nursery
 
-    def start(self, path: str, body: Any) -> Exchange:
-        """POST `body` as JSON to `path`; the app's task starts at the next checkpoint."""
+    def start(self, path: str, body: Any, send_bytes: int | None = None) -> Exchange:
+        """POST `body` as JSON to `path`; the app's task starts at the next checkpoint. With
+        `send_bytes`, the Content-Length announces the whole body but only its first
+        `send_bytes` bytes are sent, and nothing after them (a client that stalls)."""
         raw = json.dumps(body, ensure_ascii=False).encode()
         headers = [(b"content-type", b"application/json"),
                    (b"content-length", str(len(raw)).encode())]
@@ -99,7 +119,11 @@ class AsgiClient:
             "headers": headers, "client": ("127.0.0.1", 50000),
             "server": ("127.0.0.1", 8000), "extensions": {},
         }  # fmt: skip
-        to_app.send_nowait({"type": "http.request", "body": raw, "more_body": False})
+        if send_bytes is None:
+            to_app.send_nowait({"type": "http.request", "body": raw, "more_body": False})
+        else:
+            to_app.send_nowait({"type": "http.request", "body": raw[:send_bytes],
+                                "more_body": True})
 
         async def call() -> None:
             async with app_out:

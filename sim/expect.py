@@ -26,7 +26,8 @@ the wire (an error the bridge wrote), else "abort" for a client that hung up. To
 the engine's: the wire carries text, not ids. Text is the client's: what it read.
 
 End fields: `steps`, `free_blocks`, `peak_used_blocks`, `preemptions` (DESIGN.md), plus
-`num_blocks` and `aborted` (requests whose engine work ended by an abort).
+`num_blocks` and `aborted` (requests whose engine work ended by an abort), and
+`loop_failed: true` only when the engine loop died (an injected `schedule_raises` fault).
 
 The digest is the sha256 of the outcome's canonical JSON (sorted keys, no spaces, ASCII), so
 two runs agree on it exactly when they agree on every observed fact.
@@ -105,11 +106,15 @@ class EndOutcome:
     peak_used_blocks: int
     preemptions: int
     aborted: int
+    loop_failed: bool = False  # the engine loop died (an injected fault outside a step)
 
     def fields(self) -> dict[str, Any]:
-        return {"steps": self.steps, "free_blocks": self.free_blocks,
-                "peak_used_blocks": self.peak_used_blocks, "preemptions": self.preemptions,
-                "num_blocks": self.num_blocks, "aborted": self.aborted}
+        out = {"steps": self.steps, "free_blocks": self.free_blocks,
+               "peak_used_blocks": self.peak_used_blocks, "preemptions": self.preemptions,
+               "num_blocks": self.num_blocks, "aborted": self.aborted}
+        if self.loop_failed:  # written only when it happens, as `error` and `hangup_step`
+            out["loop_failed"] = True
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,12 +185,12 @@ def _compare_fields(where: str, expected: Mapping[str, Any],
     return out
 
 
-_ABSENT_MEANS_NONE = ("error", "hangup_step")
+_ABSENT_MEANS_NONE = ("error", "hangup_step", "loop_failed")
 
 
 _KNOWN = {"status", "error", "finish_reason", "completion_tokens", "token_ids", "text",
           "first_token_step", "last_step", "frames", "aborted", "hangup_step", "steps",
-          "free_blocks", "peak_used_blocks", "preemptions", "num_blocks"}
+          "free_blocks", "peak_used_blocks", "preemptions", "num_blocks", "loop_failed"}
 
 
 def diff_value(key: str, want: Any, got: Any) -> str | None:

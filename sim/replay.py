@@ -27,6 +27,9 @@ Python API (used by the CLI, the tests, and the recorder's round trip)::
   a callable, seconds per step, `{"constant_s": X}` or a JSON file); default: the header's
   `cost_model`, else a constant per step.
 
+Faults the header declares (`"faults"`, sim/faults.py) are injected in both runs, and its
+`body_timeout` is the server's; a trace without them replays as it always has.
+
 Mismatch lines name the request (or `end`) and the field; invariant lines say `invariant`,
 twin lines say `twin`; `result.warnings` holds what is odd but not wrong (an `at_step` the
 idle engine could not wait for, a weights digest that differs). `replay` runs its own
@@ -146,7 +149,9 @@ def twin_trace(trace: Trace, outcome: Outcome) -> Trace:
                 body.pop("stream_options", None)
             elif body.get("stream") in (None, False):
                 body["stream"] = True
-        client = ClientSpec(hangup_at_step=seen.hangup_step)
+        # A stalled body stays stalled: its twin must be refused (408) the same way.
+        client = ClientSpec(hangup_at_step=seen.hangup_step,
+                            send_body_bytes=r.client.send_body_bytes, then=r.client.then)
         requests.append(dataclasses.replace(r, body=body, client=client))
     return Trace(trace.header, tuple(requests))
 
@@ -156,20 +161,27 @@ def twin_mismatches(first: Outcome, twin: Outcome) -> list[str]:
     out: list[str] = []
     for a, b in zip(first.requests, twin.requests, strict=True):
         hung = a.hangup_step is not None or b.hangup_step is not None
+        # A failure after a stream's first frame is an error frame under status 200, and the
+        # same failure is the unary twin's 5xx: the error must agree, the status cannot,
+        # and neither client has the text the other read.
+        failed = a.error is not None and a.error == b.error
         pairs: list[tuple[str, object, object]] = [
             ("status", a.status, b.status),
+            ("error", a.error, b.error),
             ("first_token_step", a.first_token_step, b.first_token_step),
             ("last_step", a.last_step, b.last_step),
             ("aborted", a.aborted, b.aborted),
             ("choices", len(a.choices), len(b.choices)),
         ]
         if hung:
-            pairs = pairs[1:]  # a client gone before the status line has none
+            pairs = pairs[2:]  # a client gone before the status line has none
+        elif failed:
+            pairs = pairs[1:]
         for i, (ca, cb) in enumerate(zip(a.choices, b.choices, strict=False)):
             at = f"choices[{i}]." if len(a.choices) > 1 else ""
             pairs += [(f"{at}token_ids", list(ca.token_ids), list(cb.token_ids)),
                       (f"{at}finish_reason", ca.finish_reason, cb.finish_reason)]
-            if not hung:
+            if not (hung or failed):
                 pairs.append((f"{at}text", ca.text, cb.text))
         for key, va, vb in pairs:
             line = diff_value(key.rpartition(".")[2], va, vb)

@@ -9,7 +9,12 @@ up follow from the trace alone. Reading is what an HTTP client does with a socke
   that finds nothing waits for the next frame, as a blocking socket read would);
 - `{"every_s": X}` the same in virtual seconds;
 - a recorded `FramesByStep` (`serve --record`) takes, by each boundary, the frames the live
-  client had taken by then, and reads eagerly after its last entry.
+  client had taken by then, and reads eagerly after its last entry;
+- `"never"` takes nothing (status line included: its status is what the server sent), and
+  closes the connection at `hangup_at_step`, or once the engine is idle for good.
+
+A client with `send_body_bytes` (`then: "stall"`) sent only part of its body; it reads its
+answer (a 408) whenever one comes, which the driver waits for once the engine is idle.
 
 `[DONE]` rides along with the frame before it (it costs no read). `hangup_after_frames: K`
 hangs up after the K-th data frame unless the response is over by then; `hangup_at_step: S`
@@ -50,6 +55,11 @@ class Client:
         return self.req.body.get("stream") is True
 
     @property
+    def stalled(self) -> bool:
+        """Sent part of its body and waits: its answer needs time to pass (a 408)."""
+        return self.req.client.then == "stall"
+
+    @property
     def status(self) -> int | None:
         return self.ex.status if self.ex is not None else None
 
@@ -66,7 +76,10 @@ class Client:
         if ex is None or self.done:
             return
         ex.poll()
-        if ex.status is not None and (ex.status != 200 or not self.stream):
+        never = self.req.client.read == "never"
+        if never:
+            pass  # what the app sent waits in the transport, unread
+        elif ex.status is not None and (ex.status != 200 or not self.stream):
             if ex.complete:
                 self._take_json(ex.json())
                 self.done = True
@@ -77,7 +90,7 @@ class Client:
         c = self.req.client
         by_frames = c.hangup_after_frames is not None and self.frames >= c.hangup_after_frames
         by_step = c.hangup_at_step is not None and step >= c.hangup_at_step
-        if by_frames or by_step:
+        if by_frames or by_step or (never and drain):
             ex.disconnect()
             self.hangup_step = step
             self.done = True

@@ -15,6 +15,24 @@ What this implementation adds to DESIGN.md's v1 (the format allows added fields)
 reading pattern, `client.read: {"frames_by_step": [[step, frames], ...]}`, which the
 recorder writes for slow readers and hang-ups (`FramesByStep`); and, on expectation lines,
 `error`, `frames`, `aborted`, `hangup_step` and, for n > 1, `choices` (sim/expect.py).
+
+Faults (issue 9), all optional, so every v1 trace without them reads and replays as before:
+
+- header `"faults": [{"kind": ..., ...}, ...]`: faults the replay injects through wrappers
+  around the model, tokenizer and scheduler (sim/faults.py names the kinds):
+  `{"kind": "step_raises", "at_step": K}`, `{"kind": "schedule_raises", "at_step": K}`,
+  `{"kind": "encode_raises", "text": T}`, `{"kind": "detokenize_raises", "token_id": I}`;
+- header `"body_timeout": X`: the server's request-body timeout in seconds (a 408 after it);
+  absent, a replay's server waits for a body for ever;
+- `client.read: "never"`: the client takes no frame at all; it closes the connection at
+  `hangup_at_step` if it gives one, else once the server is idle for good (nothing it has
+  not read will change then);
+- `client.send_body_bytes: N` with `client.then: "stall"`: the client announces its whole
+  body (Content-Length) but sends only its first N bytes, then nothing, and waits; the
+  server must answer 408 after `body_timeout` without queueing anything. Under the step clock
+  seconds pass only while nothing else can happen, so the 408 comes once the engine is idle;
+- on the `end` expectation, `loop_failed: true` when the engine loop died (a
+  `schedule_raises` fault); absent, none is expected.
 """
 
 from __future__ import annotations
@@ -28,10 +46,12 @@ from typing import Any, Literal
 
 from sim.trace_check import (
     FieldError,
+    check_body_timeout,
     check_client,
     check_cost_model,
     check_engine,
     check_expectation,
+    check_faults,
     check_str,
     check_time,
 )
@@ -93,7 +113,7 @@ class FramesByStep:
         return taken
 
 
-Read = Literal["eager"] | EverySteps | EverySeconds | FramesByStep
+Read = Literal["eager", "never"] | EverySteps | EverySeconds | FramesByStep
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +122,8 @@ class ClientSpec:
     hangup_after_frames: int | None = None  # close after this many SSE frames
     hangup_at_step: int | None = None  # close at this step, whatever was read
     extra: dict[str, Any] = field(default_factory=dict)
+    send_body_bytes: int | None = None  # send only this much of the body, then `then`
+    then: Literal["stall"] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +137,8 @@ class TraceHeader:
     note: str | None = None
     cost_model: str | dict[str, Any] | None = None  # a path or an inline object; virtual only
     extra: dict[str, Any] = field(default_factory=dict)
+    faults: tuple[dict[str, Any], ...] = ()  # injected by the replay (sim/faults.py)
+    body_timeout: float | None = None  # the server's body timeout, seconds; None: none
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,9 +171,10 @@ class Trace:
 
 # ---------------------------------------------------------------------------------- loading
 
-_HEADER_KEYS = ("nanoserve_trace", "clock", "model", "engine", "note", "cost_model")
+_HEADER_KEYS = ("nanoserve_trace", "clock", "model", "engine", "note", "cost_model", "faults",
+                "body_timeout")
 _REQUEST_KEYS = ("id", "at_step", "at_s", "path", "body", "client")
-_CLIENT_KEYS = ("read", "hangup_after_frames", "hangup_at_step")
+_CLIENT_KEYS = ("read", "hangup_after_frames", "hangup_at_step", "send_body_bytes", "then")
 
 
 def load_trace(path_or_lines: str | os.PathLike[str] | Iterable[str]) -> Trace:
@@ -226,7 +251,10 @@ def _header(obj: dict[str, Any]) -> TraceHeader:
     if note is not None and not isinstance(note, str):
         raise FieldError("note", f"must be a string, got {note!r:.80}")
     cost_model = check_cost_model(obj.get("cost_model"), clock)
-    return TraceHeader(clock, model, engine, note, cost_model, _extra(obj, _HEADER_KEYS))
+    faults = check_faults(obj.get("faults"))
+    body_timeout = check_body_timeout(obj.get("body_timeout"))
+    return TraceHeader(clock, model, engine, note, cost_model, _extra(obj, _HEADER_KEYS),
+                       faults, body_timeout)
 
 
 def _request(obj: dict[str, Any], header: TraceHeader, first_line: dict[str, int],
@@ -243,16 +271,17 @@ def _request(obj: dict[str, Any], header: TraceHeader, first_line: dict[str, int
     body = obj.get("body")
     if not isinstance(body, dict):
         raise FieldError("body", f"must be a JSON object, got {body!r:.80}")
-    read, after, at = check_client(obj.get("client"), header.clock)
-    client = ClientSpec(parse_read(read), after, at, _extra(obj["client"], _CLIENT_KEYS))
+    read, after, at, partial = check_client(obj.get("client"), header.clock)
+    client = ClientSpec(parse_read(read), after, at, _extra(obj["client"], _CLIENT_KEYS),
+                        partial, "stall" if partial is not None else None)
     first_line[rid] = number
     return TraceRequest(rid, path, body, client, at_step, at_s, _extra(obj, _REQUEST_KEYS))
 
 
 def parse_read(raw: str | dict[str, Any]) -> Read:
     """A `client.read` value, once `check_client` has accepted it."""
-    if raw == "eager":
-        return "eager"
+    if raw in ("eager", "never"):
+        return "never" if raw == "never" else "eager"
     assert isinstance(raw, dict)  # check_client accepted it
     if "frames_by_step" in raw:
         return FramesByStep(tuple((s, f) for s, f in raw["frames_by_step"]))
@@ -291,6 +320,8 @@ def iter_trace_lines(trace: Trace) -> Iterator[str]:
                             "model": h.model, "engine": h.engine}
     _put(head, "note", h.note)
     _put(head, "cost_model", h.cost_model)
+    _put(head, "faults", list(h.faults) or None)
+    _put(head, "body_timeout", h.body_timeout)
     yield _dumps({**head, **h.extra})
     for r in trace.requests:
         line: dict[str, Any] = {"id": r.id}
@@ -323,6 +354,8 @@ def _client(c: ClientSpec) -> dict[str, Any]:
     out: dict[str, Any] = {"read": read}
     _put(out, "hangup_after_frames", c.hangup_after_frames)
     _put(out, "hangup_at_step", c.hangup_at_step)
+    _put(out, "send_body_bytes", c.send_body_bytes)
+    _put(out, "then", c.then)
     return {**out, **c.extra}
 
 

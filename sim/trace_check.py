@@ -107,18 +107,65 @@ def check_time(obj: dict[str, Any], clock: str, last: float) -> tuple[int | None
     return (value, None) if clock == "step" else (None, value)
 
 
-def check_client(client: object, clock: str) -> tuple[Any, int | None, int | None]:
-    """(read, hangup_after_frames, hangup_at_step); read is "eager" or a valid object."""
+def check_client(client: object, clock: str) -> tuple[Any, int | None, int | None, int | None]:
+    """(read, hangup_after_frames, hangup_at_step, send_body_bytes); read is "eager",
+    "never" or a valid object; send_body_bytes comes with `then: "stall"` (sim/trace.py)."""
     if not isinstance(client, dict):
         raise FieldError("client", f'must be a JSON object like {{"read": "eager"}}, '
                          f"got {client!r:.80}")
     read = client.get("read")
-    if read != "eager":
+    if read not in ("eager", "never"):
         _check_read(read, clock)
     after = check_int(client.get("hangup_after_frames"), "client.hangup_after_frames", 0,
                       nullable=True)
     at = check_int(client.get("hangup_at_step"), "client.hangup_at_step", 1, nullable=True)
-    return read, after, at
+    partial = check_int(client.get("send_body_bytes"), "client.send_body_bytes", 0,
+                        nullable=True)
+    then = client.get("then")
+    if (partial is None) != (then is None):
+        raise FieldError("client.then" if partial is not None else "client.send_body_bytes",
+                         'send_body_bytes and then come together: {"send_body_bytes": N, '
+                         '"then": "stall"}')
+    if then is not None and then != "stall":
+        raise FieldError("client.then", f'must be "stall", got {then!r:.80}')
+    return read, after, at, partial
+
+
+FAULT_PARAMS = {"step_raises": "at_step", "schedule_raises": "at_step",
+                "encode_raises": "text", "detokenize_raises": "token_id"}
+
+
+def check_faults(faults: object) -> tuple[dict[str, Any], ...]:
+    """The header's optional `faults`: a list of `{"kind": K, PARAM: V}` (sim/faults.py)."""
+    if faults is None:
+        return ()
+    if not isinstance(faults, list):
+        raise FieldError("faults", f"must be a list of fault objects, got {faults!r:.80}")
+    for i, f in enumerate(faults):
+        name = f"faults[{i}]"
+        kind = f.get("kind") if isinstance(f, dict) else None
+        if kind not in FAULT_PARAMS or not isinstance(f, dict):
+            raise FieldError(f"{name}.kind", f"must be one of {', '.join(FAULT_PARAMS)}, got "
+                             f"{kind!r:.80}")
+        param = FAULT_PARAMS[kind]
+        if set(f) != {"kind", param}:
+            raise FieldError(name, f'a {kind} fault is {{"kind": "{kind}", "{param}": ...}}, '
+                             f"got keys {sorted(f)}")
+        if param == "text":
+            if not isinstance(f["text"], str) or not f["text"]:
+                raise FieldError(f"{name}.text", f"must be a non-empty string, got "
+                                 f"{f['text']!r:.80}")
+        else:
+            check_int(f[param], f"{name}.{param}", 1 if param == "at_step" else 0)
+    return tuple(faults)
+
+
+def check_body_timeout(value: object) -> float | None:
+    if value is None:
+        return None
+    if not is_number(value) or value <= 0:  # type: ignore[operator]
+        raise FieldError("body_timeout", f"must be seconds > 0, got {value!r:.80}")
+    return float(value)  # type: ignore[arg-type]
 
 
 def _check_read(read: object, clock: str) -> None:
@@ -168,6 +215,9 @@ def check_expectation(eid: str, fields: dict[str, Any]) -> None:
             check_int(fields[key], key, minimum, nullable=key in ("first_token_step",
                                                                    "last_step"))
     if eid == "end":
+        if "loop_failed" in fields and not isinstance(fields["loop_failed"], bool):
+            raise FieldError("loop_failed", f"must be true or false, got "
+                             f"{fields['loop_failed']!r:.80}")
         return
     reason = fields.get("finish_reason")
     if reason is not None and not isinstance(reason, str):

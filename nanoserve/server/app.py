@@ -210,13 +210,25 @@ async def _load(loader: Callable[[], Engine]) -> Engine:
 
 
 class _Connection(TrioASGIHTTPConnection):
-    """Quart-Trio's HTTP connection, plus one guarantee: once sending a response ends, for
-    any reason, the stream behind it is closed (see respond.SseBody); and, with a recorder,
-    the generation routes' ASGI messages are reported to it (server.recording)."""
+    """Quart-Trio's HTTP connection, plus two guarantees: once sending a response ends, for
+    any reason, the stream behind it is closed (see respond.SseBody); and the last message
+    of a response is sent to its end (below). With a recorder, the generation routes' ASGI
+    messages are also reported to it (server.recording).
+
+    Why the second: Hypercorn finishes a connection's HTTP exchange inside the app's send of
+    the last body message (it closes the socket, or starts the keep-alive timer), and on the
+    way it hands the app `http.disconnect`, on which Quart-Trio cancels the request's
+    nursery: the send, and Hypercorn's work in it, is cancelled half done. After a 408 for a
+    stalled body the socket was then never closed, and the client held the connection for
+    as long as it liked. So a disconnect that comes while the last message is being sent
+    does not cancel; `handle_request` ends the nursery itself once the send returns."""
+
+    _finishing = False  # the last body message is being sent
 
     async def __call__(self, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
         st: ServerState = self.app.extensions["nanoserve"]
         ex = recording.recorded(st.recorder, self.scope)
+        send = self._watch_last(send)
         if ex is None:
             await super().__call__(receive, send)
             return
@@ -225,6 +237,22 @@ class _Connection(TrioASGIHTTPConnection):
                                    recording.recording_send(ex, send))
         finally:
             recording.safely(ex.done)
+
+    def _watch_last(self, send: ASGISendCallable) -> ASGISendCallable:
+        async def watched(message: Any) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                self._finishing = True
+            await send(message)
+
+        return watched
+
+    async def handle_messages(  # type: ignore[override]
+        self, nursery: trio.Nursery, request: Any, receive: ASGIReceiveCallable
+    ) -> None:
+        # Quart's own loop: returns on http.disconnect (Quart-Trio then always cancels).
+        await super(TrioASGIHTTPConnection, self).handle_messages(request, receive)
+        if not self._finishing:
+            nursery.cancel_scope.cancel()
 
     async def _send_response(self, send: ASGISendCallable, response: Any) -> None:
         try:
