@@ -50,3 +50,8 @@ peer-setup: setup
     [ -x .venv/peer/bin/python ] || .venv/bin/python -m venv .venv/peer
     .venv/bin/python -c 'import site; print(site.getsitepackages()[0])' > "$(.venv/peer/bin/python -c 'import site; print(site.getsitepackages()[0])')/nanoserve-venv.pth"
     .venv/peer/bin/python -m pip install -q --disable-pip-version-check fastapi==0.165.0 uvicorn==0.55.0
+
+# The soak: 200 concurrent clients (20% hang up, 10% read slowly) against the stub over a real
+# socket; prints the figures and exits 1 if a block leaked, a count is off or a twin differs.
+soak *args: setup
+    {{py}} -m sim.cli soak {{args}}

@@ -18,7 +18,7 @@ from typing import Any
 
 from nanoserve.model.loader import resolve_model
 from nanoserve.tokenizer import Tokenizer
-from sim import bench_cli, capacity_cli, load_spec, replay_cli
+from sim import bench_cli, capacity_cli, load_spec, replay_cli, soak
 from sim.convert import convert_azure, read_azure_csv
 from sim.load import generate_load
 from sim.load_spec import load_spec_from_pairs, split_load_spec
@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_cli.add_parser(sub)
     replay_cli.add_parser(sub)
     capacity_cli.add_parsers(sub)  # capacity, profile, validate
+    soak.add_parser(sub)
     a = p.parse_args(argv)
     if a.cmd is None:
         p.print_help()
