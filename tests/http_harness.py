@@ -22,7 +22,7 @@ from typing import Any
 
 import trio
 
-from sim.asgi_client import lifespan
+from sim.asgi_client import lifespan, sse_events
 from sim.loopback import hypercorn_on_loopback  # noqa: F401  (re-exported for the tests)
 
 Message = dict[str, Any]
@@ -39,16 +39,6 @@ class HttpResponse:
 
     def events(self) -> list[str]:
         return sse_events(self.body)
-
-
-def sse_events(body: bytes) -> list[str]:
-    """The `data:` payloads of an SSE body, in order."""
-    out = []
-    for block in body.decode().split("\n\n"):
-        data = [line[len("data: "):] for line in block.split("\n") if line.startswith("data: ")]
-        if data:
-            out.append("\n".join(data))
-    return out
 
 
 @dataclass(slots=True, eq=False)
