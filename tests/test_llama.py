@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from native_check import require_native
 from reference import RefCase, compare_greedy, hf_greedy, load_reference
 
 from nanoserve.model.base import ForwardBatch, ModelConfig
@@ -94,15 +95,24 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 # ---- a tiny random Llama: paging logic without weights ---------------------------------------
 
-@pytest.fixture(scope="module")
-def tiny() -> tuple[LlamaModel, Any]:
-    return _tiny_models()
+@pytest.fixture(scope="module", params=["native", "stock"])
+def tiny(request: pytest.FixtureRequest) -> tuple[LlamaModel, Any]:
+    """Each tiny test runs twice: on nanoserve's CPU kernels (model/native.py) and on the
+    stock-PyTorch path that every other device and dtype takes."""
+    model, hf = _tiny_models()
+    if request.param == "stock":
+        model.native_layers = model.native_attention = False
+    else:
+        require_native(model)
+    return model, hf
 
 
 def _tiny_models() -> tuple[LlamaModel, Any]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    hf_cfg = LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=96,
+    # Sizes off the kernels' 16-float vectors (hidden 72, I 100, half a head 8), so their
+    # scalar tails run too.
+    hf_cfg = LlamaConfig(vocab_size=101, hidden_size=72, intermediate_size=100,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          head_dim=16, rms_norm_eps=1e-5,
                          rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
@@ -112,7 +122,7 @@ def _tiny_models() -> tuple[LlamaModel, Any]:
     with torch.no_grad():  # larger than init scale, so attention is far from uniform
         for p in hf.parameters():
             p.copy_(torch.randn_like(p) * (0.3 if p.dim() > 1 else 0.2) + (p.dim() == 1))
-    cfg = ModelConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_layers=2,
+    cfg = ModelConfig(vocab_size=101, hidden_size=72, intermediate_size=100, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1000.0,
                       rms_norm_eps=1e-5, max_position_embeddings=256,
                       tie_word_embeddings=False, bos_token_id=None, eos_token_ids=())
@@ -184,6 +194,7 @@ def test_tiny_decode_groups_and_packed_weights_keep_the_logits(
     prompts = {f"s{i}": [gen.randrange(101) for _ in range(n)]
                for i, n in enumerate((3, 40, 17, 9, 26, 5, 33, 12, 21, 8))}
     plain = LlamaModel(model.config, dict(hf.state_dict()), pack_weights=False)
+    plain.native_layers, plain.native_attention = model.native_layers, model.native_attention
     runs = []
     for m, group_bytes in ((model, 2 * 40 * 2 * 16 * 4), (plain, 1 << 30)):
         m.decode_group_bytes = group_bytes  # row bytes per slot: KV 2 * D 16 * 4

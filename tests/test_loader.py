@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from nanoserve.model import loader
-from nanoserve.model.llama import rotate_half
 from nanoserve.model.loader import load_model_config, resolve_model, unpermute_rope_rows
+from nanoserve.model.ops import rotate_half
 from nanoserve.tokenizer import Tokenizer
 
 

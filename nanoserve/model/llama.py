@@ -3,16 +3,7 @@
 One step's tokens (whole or partial prompts and single decode tokens, concatenated) go
 through every layer's projections and MLP as one [T, hidden] matrix, which is where almost
 all the flops are (model/linear.py: pre-packed weights). Only attention cares which sequence
-a token belongs to. Each token's K/V is first written to its cache slot, and then every row
-reads its whole context back from the cache through its block table, so a chunked prefill,
-a resumed sequence and a decode step are the same computation; only a first prefill chunk,
-whose context is exactly what this step computed, reads its K/V straight from the step.
-Decode rows (one query each) are batched into attention calls by groups of rows of similar
-length: each group's context blocks are gathered into a padded [g, S] slot grid, masked by
-length, and attended to while the copy is still in cache. Rows with several queries
-(prefill chunks) are done one by one with a causal mask offset by what is already cached.
-Grouped-query attention never repeats the KV heads: the G query heads that share a KV head
-are laid out as that head's queries.
+a token belongs to (model/attention.py).
 """
 
 from __future__ import annotations
@@ -25,6 +16,14 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from nanoserve.model import native, ops
+from nanoserve.model.attention import (
+    DECODE_GROUP_BYTES,
+    NATIVE_HEAD_DIMS,
+    AttentionPlan,
+    attend,
+    plan_attention,
+)
 from nanoserve.model.base import ForwardBatch, ModelConfig
 from nanoserve.model.linear import Proj, mkl_packing_available
 from nanoserve.model.loader import load_model_config
@@ -41,46 +40,16 @@ class _Layer:
 
 
 @dataclass(slots=True)
-class _Prefill:
-    start: int  # first flat token index of the row
-    end: int
-    blocks: torch.Tensor  # [nb] the row's blocks covering its context, in order
-    ctx: int  # context length after this step
-    # [q, ctx] bool, True where query i may attend to position j; None for a first chunk
-    # (q == ctx), where plain causal attention lets the kernel skip the upper triangle.
-    mask: torch.Tensor | None
-
-
-# Decode rows gather their context in groups of about this many bytes of K (and as many of
-# V), each group's attention computed right after its gather, while the copy is still in
-# cache: gathering the whole batch first wrote 15 MB per layer at 32 rows of 300 tokens and
-# read it back from memory. A group is also padded only to its own longest row.
-_DECODE_GROUP_BYTES = 1 << 20
-
-
-@dataclass(slots=True)
-class _DecodeGroup:
-    tokens: torch.Tensor  # [g] flat token index of each row
-    blocks: torch.Tensor  # [g * W] the rows' block tables, padded to the group's longest row
-    mask: torch.Tensor  # [g, 1, 1, W * block_size] bool, True at a row's context positions
-    width: int  # W
-
-
-@dataclass(slots=True)
 class _Plan:
     """Everything a step needs besides the weights, built once and shared by all layers."""
 
     input_ids: torch.Tensor  # [T]
     slot_mapping: torch.Tensor  # [T]
-    cos: torch.Tensor  # [T, 1, D]
-    sin: torch.Tensor  # [T, 1, D]
+    positions: torch.Tensor  # [T]
+    cos: torch.Tensor  # native: the model's [P, D] table; stock: [T, 1, D] for these tokens
+    sin: torch.Tensor
     logits_indices: torch.Tensor  # [R]
-    decode: list[_DecodeGroup]
-    prefills: list[_Prefill]
-    # Gather buffers reused by every group and layer: fresh ones each layer cost page faults
-    # that took longer than the copy itself.
-    k_buf: torch.Tensor | None = None  # [max group g * W, bs * KV * D]
-    v_buf: torch.Tensor | None = None
+    attention: AttentionPlan
 
 
 def load_weights(folder: str | Path) -> dict[str, torch.Tensor]:
@@ -88,20 +57,6 @@ def load_weights(folder: str | Path) -> dict[str, torch.Tensor]:
     for path in sorted(Path(folder).glob("*.safetensors")):
         weights.update(load_file(str(path)))
     return weights
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # In float32 whatever the model dtype, then back, as the reference does: the mean of
-    # squares of 576 bf16 values loses too much otherwise.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    # Pairs dimension i with i + D/2 (the Hugging Face layout the loader converts to).
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class LlamaModel:
@@ -121,7 +76,12 @@ class LlamaModel:
             pack_weights = (self.device.type == "cpu" and dtype == torch.float32
                             and mkl_packing_available())
         self.pack_weights = pack_weights
-        self.decode_group_bytes = _DECODE_GROUP_BYTES
+        self.decode_group_bytes = DECODE_GROUP_BYTES
+        # nanoserve's own CPU kernels where they apply (model/native.py): fused elementwise
+        # layer parts, and decode attention for the head sizes it is compiled for.
+        self.native_layers = (self.device.type == "cpu" and dtype == torch.float32
+                              and native.available())
+        self.native_attention = self.native_layers and config.head_dim in NATIVE_HEAD_DIMS
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=self.device, dtype=dtype)
@@ -203,75 +163,44 @@ class LlamaModel:
         """Turn the batch's lists into index tensors: one host-to-device copy each, no syncs."""
         if len(b.input_ids) != sum(b.query_lens) or len(b.query_lens) != len(b.block_tables):
             raise ValueError("ForwardBatch: input_ids, query_lens and block_tables disagree")
-        dev, bs = self.device, self.block_size
+        dev, c = self.device, self.config
 
-        def tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
+        def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=dev)
 
         positions = tensor(b.positions)
-        starts = [0]
-        for q in b.query_lens:
-            starts.append(starts[-1] + q)
-        # Decode rows, shortest context first, so that a group's rows pad to similar widths.
-        decode_rows = sorted((r for r, q in enumerate(b.query_lens) if q == 1),
-                             key=lambda r: b.context_lens[r])
-        c = self.config
-        row_bytes = bs * c.num_kv_heads * c.head_dim * self._cache().element_size()
-        decode: list[_DecodeGroup] = []
-        i = 0
-        while i < len(decode_rows):
-            # As many rows as fit the byte budget at the width of the group's longest row.
-            n = 1
-            while i + n < len(decode_rows):
-                w = -(-b.context_lens[decode_rows[i + n]] // bs)
-                if (n + 1) * w * row_bytes > self.decode_group_bytes:
-                    break
-                n += 1
-            rows = decode_rows[i : i + n]
-            i += n
-            ctx_lens = [b.context_lens[r] for r in rows]
-            width = -(-ctx_lens[-1] // bs)  # blocks in the group's longest row
-            # Pad with block 0: any real block will do, the mask hides it.
-            blocks = tensor([(b.block_tables[r] + [0] * width)[:width] for r in rows])
-            j = torch.arange(width * bs, device=dev)  # [W * bs] context position
-            in_ctx = (j < tensor(ctx_lens)[:, None])[:, None, None, :]
-            decode.append(_DecodeGroup(tensor([starts[r] for r in rows]), blocks.view(-1),
-                                       in_ctx, width))
-        prefills = []
-        for r, q in enumerate(b.query_lens):
-            if q <= 1:
-                continue
-            ctx = b.context_lens[r]
-            j = torch.arange(ctx, device=dev)
-            blocks = tensor(b.block_tables[r][: -(-ctx // bs)])
-            # Query i sits at position ctx - q + i and sees positions 0 ..= that.
-            mask = None if q == ctx else j <= torch.arange(ctx - q, ctx, device=dev)[:, None]
-            prefills.append(_Prefill(starts[r], starts[r + 1], blocks, ctx, mask))
+        stock = not self.native_layers
+        row_bytes = self.block_size * c.num_kv_heads * c.head_dim * self._cache().element_size()
         return _Plan(
             input_ids=tensor(b.input_ids),
             slot_mapping=tensor(b.slot_mapping),
-            cos=self._cos[positions][:, None, :],
-            sin=self._sin[positions][:, None, :],
+            positions=positions,
+            cos=self._cos[positions][:, None, :] if stock else self._cos,
+            sin=self._sin[positions][:, None, :] if stock else self._sin,
             logits_indices=tensor(b.logits_indices),
-            decode=decode,
-            prefills=prefills,
+            attention=plan_attention(b, block_size=self.block_size, kv_row_bytes=row_bytes,
+                                     group_bytes=self.decode_group_bytes,
+                                     native=self.native_attention, device=dev),
         )
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         cache = self._cache()
+        nat = self.native_layers
         with torch.inference_mode():
             plan = self._plan(batch)
             eps = self.config.rms_norm_eps
-            x = F.embedding(plan.input_ids, self.embed)  # [T, hidden]
+            x = F.embedding(plan.input_ids, self.embed)  # [T, hidden], the residual stream
+            h = ops.rms_norm(x, self.layers[0].attn_norm, eps, native=nat)
             for i, layer in enumerate(self.layers):
-                h = rms_norm(x, layer.attn_norm, eps)
-                x = x + self._attention(layer, h, cache[i, 0], cache[i, 1], plan)
-                h = rms_norm(x, layer.mlp_norm, eps)
-                gate, up = layer.gate_up(h).chunk(2, dim=-1)  # [T, I] each
-                x = x + layer.down(F.silu(gate) * up)
-            # Norm and LM head only where logits are wanted: an unfinished prefill chunk
-            # needs none, and the head is the largest matrix in a small model.
-            h = rms_norm(x[plan.logits_indices], self.norm, eps)  # [R, hidden]
+                a = self._attention(layer, h, cache[i, 0], cache[i, 1], plan)
+                h = ops.add_rms_norm(x, a, layer.mlp_norm, eps, native=nat)  # x += a
+                m = layer.down(ops.silu_mul(layer.gate_up(h), native=nat))
+                if i + 1 < len(self.layers):
+                    h = ops.add_rms_norm(x, m, self.layers[i + 1].attn_norm, eps, native=nat)
+            # The last residual add, final norm and LM head only where logits are wanted:
+            # an unfinished prefill chunk needs none, and the head is the largest matrix.
+            idx = plan.logits_indices
+            h = ops.rms_norm(x[idx] + m[idx], self.norm, eps, native=nat)  # [R, hidden]
         # The head runs outside inference mode so that the logits are an ordinary tensor: a
         # sampler may then scale or mask them in place (inference tensors forbid that).
         with torch.no_grad():
@@ -286,53 +215,8 @@ class LlamaModel:
         plan: _Plan,
     ) -> torch.Tensor:
         c = self.config
-        nh, nkv, d = c.num_heads, c.num_kv_heads, c.head_dim
-        g = nh // nkv  # query heads per KV head; head h reads KV head h // g
-        t = h.shape[0]
-        q, k, v = layer.qkv(h).split([nh * d, nkv * d, nkv * d], dim=-1)
-        q = q.view(t, nh, d)
-        k = k.view(t, nkv, d)
-        q = q * plan.cos + rotate_half(q) * plan.sin  # [T, H, D]
-        k = k * plan.cos + rotate_half(k) * plan.sin  # [T, KV, D]
-        k_cache.index_copy_(0, plan.slot_mapping, k)
-        v_cache.index_copy_(0, plan.slot_mapping, v.view(t, nkv, d))
-
-        out = torch.empty_like(q)  # [T, H, D]
-        bs = self.block_size
-        # The cache seen as whole blocks: gathering a block is one contiguous copy of
-        # bs * KV * D values, where gathering slot by slot copied 768-byte rows one at a
-        # time (that gather was half of a decode step).
-        k_blocks = k_cache.view(-1, bs * nkv * d)  # [num_blocks, bs * KV * D]
-        v_blocks = v_cache.view(-1, bs * nkv * d)
-        if plan.decode and (plan.k_buf is None or plan.v_buf is None):
-            most = max(grp.blocks.shape[0] for grp in plan.decode)
-            plan.k_buf = k_blocks.new_empty((most, bs * nkv * d))
-            plan.v_buf = v_blocks.new_empty((most, bs * nkv * d))
-        for grp in plan.decode:
-            assert plan.k_buf is not None
-            assert plan.v_buf is not None
-            # A row's G heads sharing a KV head become that head's G "queries".
-            qd = q[grp.tokens].view(-1, nkv, g, d)  # [g, KV, G, D]
-            n = grp.blocks.shape[0]
-            kb = torch.index_select(k_blocks, 0, grp.blocks, out=plan.k_buf[:n])
-            vb = torch.index_select(v_blocks, 0, grp.blocks, out=plan.v_buf[:n])
-            kd = kb.view(-1, grp.width * bs, nkv, d).transpose(1, 2)  # [g, KV, S, D]
-            vd = vb.view(-1, grp.width * bs, nkv, d).transpose(1, 2)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=grp.mask)
-            out[grp.tokens] = od.reshape(-1, nh, d)
-        for p in plan.prefills:
-            n = p.end - p.start
-            qp = q[p.start:p.end].view(n, nkv, g, d).permute(1, 2, 0, 3)  # [KV, G, q, D]
-            if p.mask is None:  # a first chunk: its context is just what this step computed
-                kp, vp = k[p.start:p.end], v.view(t, nkv, d)[p.start:p.end]  # [ctx, KV, D]
-            else:
-                kp = k_blocks.index_select(0, p.blocks).view(-1, nkv, d)[: p.ctx]
-                vp = v_blocks.index_select(0, p.blocks).view(-1, nkv, d)[: p.ctx]
-            # [KV, 1, ctx, D] broadcast over the G query heads: a view, not a copy.
-            kp = kp.transpose(0, 1)[:, None].expand(nkv, g, -1, d)
-            vp = vp.transpose(0, 1)[:, None].expand(nkv, g, -1, d)
-            op = F.scaled_dot_product_attention(  # [KV, G, q, D]
-                qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None
-            )
-            out[p.start:p.end] = op.permute(2, 0, 1, 3).reshape(n, nh, d)
-        return layer.o(out.view(t, nh * d))  # [T, hidden]
+        shape = (c.num_heads, c.num_kv_heads, c.head_dim)
+        q, k, v = ops.rope_store(layer.qkv(h), shape, plan.cos, plan.sin, plan.positions,
+                                 plan.slot_mapping, k_cache, v_cache, native=self.native_layers)
+        out = attend(q, k, v, k_cache, v_cache, plan.attention)  # [T, H, D]
+        return layer.o(out.view(h.shape[0], -1))  # [T, hidden]

@@ -1,0 +1,182 @@
+// Decode attention straight over the paged KV cache, float32 on the CPU.
+//
+// A decode row has one query per head and attends to its whole context, which lies in the
+// cache in blocks scattered over the pool. Done with stock PyTorch ops, each step gathers
+// every row's blocks into a padded copy, masks the padding and calls SDPA: the copy is a
+// read and a write of every context byte, and SDPA's flash kernel, built for long queries,
+// runs slowly at one query. Here each (row, KV head) reads its keys and values once, in
+// place, through the block table: scores, softmax and the weighted sum of values, with the
+// G query heads that share the KV head computed together so that a key is loaded once for
+// all of them. The work items are split over the intra-op threads.
+//
+// Summation order differs from SDPA's, so results agree to float32 rounding, not bit for
+// bit; the engine's token-identity tests against the reference run on this kernel.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "vec.h"
+
+namespace {
+
+using nanoserve::exp_nonpositive;
+using nanoserve::hmax;
+using nanoserve::hsum;
+using nanoserve::kLanes;
+using nanoserve::load;
+using nanoserve::store;
+using nanoserve::v16;
+
+// s[i] = e^(s[i] - max s) / sum for i < n: a softmax in place. n is padded up to a multiple
+// of kLanes by the caller, the padding being -inf (e^-inf becomes e^-87, a 1e-38 weight,
+// and the padded values are never used).
+inline void softmax(float* __restrict s, int64_t n) {
+  v16 m = load(s);
+  for (int64_t i = kLanes; i < n; i += kLanes) {
+    const v16 x = load(s + i);
+    m = x > m ? x : m;
+  }
+  const float max = hmax(m);
+  v16 sum = {};
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const v16 e = exp_nonpositive(load(s + i) - max);
+    store(s + i, e);
+    sum += e;
+  }
+  const float inv = 1.0f / hsum(sum);
+  for (int64_t i = 0; i < n; i += kLanes) store(s + i, load(s + i) * inv);
+}
+
+// One (row, KV head): its `group` query heads against its context, through the block table.
+// kDim / kLanes vectors per head vector, known at compile time so that the loops unroll.
+template <int64_t kDim>
+void attend(const float* __restrict q, const float* __restrict k_cache,
+            const float* __restrict v_cache, const int64_t* __restrict table, int64_t ctx,
+            int64_t block_size, int64_t slot_stride, int64_t group, float scale,
+            float* __restrict scores, float* __restrict out) {
+  constexpr int64_t kVecs = kDim / kLanes;
+  const int64_t padded = (ctx + kLanes - 1) / kLanes * kLanes;  // each group's scores row
+  for (int64_t pos = 0; pos < ctx; pos += block_size) {
+    const int64_t n = std::min(block_size, ctx - pos);
+    const float* kb = k_cache + table[pos / block_size] * block_size * slot_stride;
+    for (int64_t j = 0; j < n; ++j) {
+      v16 key[kVecs];
+      for (int64_t c = 0; c < kVecs; ++c) key[c] = load(kb + j * slot_stride + c * kLanes);
+      for (int64_t g = 0; g < group; ++g) {
+        v16 acc = {};
+        for (int64_t c = 0; c < kVecs; ++c) acc += load(q + g * kDim + c * kLanes) * key[c];
+        scores[g * padded + pos + j] = hsum(acc) * scale;
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * padded;
+    for (int64_t i = ctx; i < padded; ++i) s[i] = -INFINITY;
+    softmax(s, padded);
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    v16 acc[kVecs] = {};
+    const float* s = scores + g * padded;
+    for (int64_t pos = 0; pos < ctx; pos += block_size) {
+      const int64_t n = std::min(block_size, ctx - pos);
+      const float* vb = v_cache + table[pos / block_size] * block_size * slot_stride;
+      for (int64_t j = 0; j < n; ++j) {
+        const float p = s[pos + j];
+        for (int64_t c = 0; c < kVecs; ++c) acc[c] += p * load(vb + j * slot_stride + c * kLanes);
+      }
+    }
+    for (int64_t c = 0; c < kVecs; ++c) store(out + g * kDim + c * kLanes, acc[c]);
+  }
+}
+
+void paged_decode_attention(
+    const at::Tensor& q,             // [T, H, D]: every token of the step
+    const at::Tensor& k_cache,       // [slots, KV, D]: one layer's keys
+    const at::Tensor& v_cache,       // [slots, KV, D]
+    const at::Tensor& rows,          // [R] int64: the flat token index of each decode row
+    const at::Tensor& block_tables,  // [R, W] int64: each row's blocks, padded at the end
+    const at::Tensor& context_lens,  // [R] int64: positions each row attends to (>= 1)
+    int64_t block_size, double scale,
+    const at::Tensor& out) {  // [T, H, D]: only the decode rows' entries are written
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q and caches: 3-d");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "float32 only");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  out.is_contiguous() && block_tables.is_contiguous(),
+              "contiguous tensors only");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && block_tables.scalar_type() == at::kLong &&
+                  context_lens.scalar_type() == at::kLong,
+              "index tensors: int64");
+  TORCH_CHECK(out.sizes() == q.sizes(), "out must be shaped like q");
+  const int64_t heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(2) == dim && v_cache.sizes() == k_cache.sizes(), "cache shapes");
+  TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(dim == 16 || dim == 32 || dim == 64 || dim == 128, "head_dim 16, 32, 64 or 128");
+  const int64_t group = heads / kv_heads;
+  const int64_t num_rows = rows.size(0), width = block_tables.size(1);
+  TORCH_CHECK(block_tables.size(0) == num_rows && context_lens.size(0) == num_rows,
+              "one block table and context length per row");
+  const int64_t slots = k_cache.size(0);
+  const int64_t num_tokens = q.size(0);
+
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t* row_ix = rows.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* ctx_lens = context_lens.data_ptr<int64_t>();
+  for (int64_t r = 0; r < num_rows; ++r) {  // bounds, once, before any thread reads
+    const int64_t ctx = ctx_lens[r];
+    TORCH_CHECK(row_ix[r] >= 0 && row_ix[r] < num_tokens, "row index out of range");
+    TORCH_CHECK(ctx >= 1 && ctx <= width * block_size, "context length out of range");
+    for (int64_t b = 0; b < (ctx + block_size - 1) / block_size; ++b) {
+      const int64_t blk = tables[r * width + b];
+      TORCH_CHECK(blk >= 0 && (blk + 1) * block_size <= slots, "block id out of range");
+    }
+  }
+  const float fscale = static_cast<float>(scale);
+  const int64_t slot_stride = kv_heads * dim;  // floats from one slot to the next
+
+  const auto run = dim == 16   ? &attend<16>
+                   : dim == 32 ? &attend<32>
+                   : dim == 64 ? &attend<64>
+                               : &attend<128>;
+  int64_t longest = 0;
+  for (int64_t r = 0; r < num_rows; ++r) longest = std::max(longest, ctx_lens[r]);
+  const int64_t scores_len = group * ((longest + kLanes - 1) / kLanes * kLanes);
+
+  at::parallel_for(0, num_rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(scores_len);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / kv_heads, h = item % kv_heads;
+      const int64_t head = row_ix[r] * heads + h * group;  // the first of the group's heads
+      // Head h's values in a slot start h * dim floats in: offset the cache pointers by
+      // that, and every slot of head h is then a multiple of slot_stride away.
+      run(qp + head * dim, kp + h * dim, vp + h * dim, tables + r * width, ctx_lens[r],
+          block_size, slot_stride, group, fscale, scores.data(), op + head * dim);
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(nanoserve, m) {
+  m.def(
+      "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor rows, "
+      "Tensor block_tables, Tensor context_lens, int block_size, float scale, "
+      "Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(nanoserve, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}

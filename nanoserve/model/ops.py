@@ -1,0 +1,82 @@
+"""A Llama layer's elementwise parts, each as one native kernel or as stock PyTorch ops.
+
+`native=True` calls nanoserve's fused CPU kernels (model/csrc/layers.cpp: one pass and one
+dispatch each, float32 only); `native=False` is the same arithmetic in PyTorch operators,
+for every other device and dtype, and for machines where the kernels could not be built.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, native: bool
+             ) -> torch.Tensor:
+    if native:
+        out = torch.empty_like(x)
+        torch.ops.nanoserve.rms_norm(x, weight, eps, out)
+        return out
+    # In float32 whatever the model dtype, then back, as the reference does: the mean of
+    # squares of 576 bf16 values loses too much otherwise.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                 native: bool) -> torch.Tensor:
+    """The residual add, in place (x += delta), and the next norm of its result."""
+    if native:
+        out = torch.empty_like(x)
+        torch.ops.nanoserve.add_rms_norm(x, delta, weight, eps, out)
+        return out
+    x.add_(delta)
+    return rms_norm(x, weight, eps, native=False)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    # Pairs dimension i with i + D/2 (the Hugging Face layout the loader converts to).
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_store(
+    qkv: torch.Tensor,  # [T, (H + 2 KV) * D]
+    shape: tuple[int, int, int],  # H, KV, D
+    cos: torch.Tensor,  # native: the [P, D] table; stock: [T, 1, D] for these tokens
+    sin: torch.Tensor,
+    positions: torch.Tensor,  # [T]
+    slot_mapping: torch.Tensor,  # [T]
+    k_cache: torch.Tensor,  # [slots, KV, D]
+    v_cache: torch.Tensor,
+    *,
+    native: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q and k rotated, k and v written to their cache slots; returns q [T, H, D] and
+    k, v [T, KV, D] for attention to read this step's own keys from."""
+    nh, nkv, d = shape
+    t = qkv.shape[0]
+    v = qkv[:, (nh + nkv) * d:].view(t, nkv, d)
+    if native:
+        q = qkv.new_empty((t, nh, d))
+        k = qkv.new_empty((t, nkv, d))
+        torch.ops.nanoserve.rope_store(qkv, cos, sin, positions, slot_mapping, k_cache,
+                                       v_cache, q, k)
+        return q, k, v
+    qs, ks = qkv[:, : nh * d].view(t, nh, d), qkv[:, nh * d : (nh + nkv) * d].view(t, nkv, d)
+    q = qs * cos + rotate_half(qs) * sin
+    k = ks * cos + rotate_half(ks) * sin
+    k_cache.index_copy_(0, slot_mapping, k)
+    v_cache.index_copy_(0, slot_mapping, v)
+    return q, k, v
+
+
+def silu_mul(gate_up: torch.Tensor, *, native: bool) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] along the last dimension."""
+    if native:
+        out = gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+        torch.ops.nanoserve.silu_mul(gate_up, out)
+        return out
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

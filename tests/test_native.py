@@ -1,0 +1,170 @@
+"""nanoserve's CPU kernels (model/csrc) against the stock-PyTorch ops they replace.
+
+Each kernel is checked on sizes that are and are not multiples of its 16-float vectors,
+with the paged cache's block tables scattered over the pool; what it must leave alone
+(rows that are not decode rows, cache slots no token maps to) is checked to be untouched.
+Then the guards: bad indices raise instead of reading out of bounds, and a machine with no
+compiler, or NANOSERVE_NATIVE=0, runs the stock path.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from native_check import require_native
+
+from nanoserve.model import ops
+from nanoserve.model.attention import attend, plan_attention
+from nanoserve.model.base import ForwardBatch
+
+
+@pytest.fixture(autouse=True)
+def _native() -> None:
+    require_native()
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> None:
+    assert a.shape == b.shape
+    assert float((a - b).abs().max()) < tol
+
+
+@pytest.mark.parametrize("hidden", [72, 576])
+def test_norms_match_stock(hidden: int) -> None:
+    torch.manual_seed(0)
+    x, delta, w = torch.randn(7, hidden), torch.randn(7, hidden), torch.randn(hidden)
+    _close(ops.rms_norm(x, w, 1e-5, native=True), ops.rms_norm(x, w, 1e-5, native=False))
+    xn, xs = x.clone(), x.clone()
+    hn = ops.add_rms_norm(xn, delta, w, 1e-5, native=True)
+    hs = ops.add_rms_norm(xs, delta, w, 1e-5, native=False)
+    _close(hn, hs)
+    assert torch.equal(xn, x + delta)  # the residual add happened in place, exactly
+
+
+@pytest.mark.parametrize("inter", [100, 1536])
+def test_silu_mul_matches_stock_over_a_wide_range(inter: int) -> None:
+    torch.manual_seed(1)
+    gate_up = torch.randn(5, 2 * inter) * 8
+    gate_up[0, :6] = torch.tensor([0.0, -0.0, 90.0, -90.0, 1e-30, -200.0])
+    got = ops.silu_mul(gate_up, native=True)
+    want = ops.silu_mul(gate_up, native=False)
+    assert float(((got - want).abs() / (want.abs() + 1e-6)).max()) < 1e-5
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 2, 16), (9, 3, 64), (8, 2, 128)])
+def test_rope_store_matches_stock_and_writes_only_its_slots(
+    heads: int, kv_heads: int, dim: int
+) -> None:
+    torch.manual_seed(2)
+    t, slots = 6, 40
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * dim)
+    angles = torch.outer(torch.arange(64.0), torch.rand(dim // 2))
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    positions = torch.tensor([0, 5, 63, 7, 8, 9])
+    slot_mapping = torch.tensor([3, 17, 39, 0, 22, 8])
+    got, want = [], []
+    for native, into in ((True, got), (False, want)):
+        k_cache = torch.full((slots, kv_heads, dim), 7.0)
+        v_cache = torch.full((slots, kv_heads, dim), 7.0)
+        tables = (cos, sin) if native else (cos[positions][:, None], sin[positions][:, None])
+        into += [*ops.rope_store(qkv, (heads, kv_heads, dim), *tables, positions, slot_mapping,
+                                 k_cache, v_cache, native=native), k_cache, v_cache]
+    for a, b in zip(got, want, strict=True):
+        _close(a, b)
+    untouched = [s for s in range(slots) if s not in slot_mapping.tolist()]
+    assert torch.equal(got[3][untouched], torch.full((len(untouched), kv_heads, dim), 7.0))
+
+
+def _batch(ctx_lens: list[int], block_size: int, num_blocks: int, seed: int) -> ForwardBatch:
+    """Decode rows, plus one prefill row in the middle, over shuffled blocks."""
+    free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    b = ForwardBatch([], [], [], [], [], [], [])
+    for i, ctx in enumerate(ctx_lens):
+        q = 5 if i == 1 else 1
+        table = [free.pop() for _ in range(-(-ctx // block_size))]
+        b.input_ids += [0] * q
+        b.positions += range(ctx - q, ctx)
+        b.slot_mapping += [table[p // block_size] * block_size + p % block_size
+                           for p in range(ctx - q, ctx)]
+        b.query_lens.append(q)
+        b.context_lens.append(ctx)
+        b.block_tables.append(table)
+    return b
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 2, 16), (9, 3, 64), (8, 8, 128)])
+def test_decode_attention_matches_the_stock_path(heads: int, kv_heads: int, dim: int) -> None:
+    torch.manual_seed(3)
+    bs, num_blocks = 16, 80
+    b = _batch([1, 37, 15, 16, 17, 300, 64, 2], bs, num_blocks, seed=4)
+    t = len(b.input_ids)
+    q, k, v = torch.randn(t, heads, dim), torch.randn(t, kv_heads, dim), torch.randn(
+        t, kv_heads, dim)
+    k_cache = torch.randn(num_blocks * bs, kv_heads, dim)
+    v_cache = torch.randn(num_blocks * bs, kv_heads, dim)
+    slots = torch.tensor(b.slot_mapping)
+    k_cache[slots], v_cache[slots] = k, v
+    outs = []
+    for native in (True, False):
+        plan = plan_attention(b, block_size=bs, kv_row_bytes=bs * kv_heads * dim * 4,
+                              group_bytes=1 << 14, native=native, device=torch.device("cpu"))
+        assert (plan.native is not None) == native
+        assert native or len(plan.groups) > 1  # the stock path's grouping is exercised too
+        outs.append(attend(q, k, v, k_cache, v_cache, plan))
+    _close(*outs)
+
+
+def test_decode_attention_writes_only_decode_rows() -> None:
+    q, cache = torch.randn(4, 2, 16), torch.randn(32, 1, 16)
+    out = torch.full((4, 2, 16), 3.0)
+    torch.ops.nanoserve.paged_decode_attention(
+        q, cache, cache, torch.tensor([2]), torch.tensor([[1, 0]]), torch.tensor([20]), 16,
+        0.25, out)
+    assert torch.equal(out[[0, 1, 3]], torch.full((3, 2, 16), 3.0))
+    # One query head per KV head here: softmax(q . k) . v by hand, over slots 16..31, 0..3.
+    keys = torch.cat([cache[16:32], cache[:4]])[:, 0]  # [20, 16]
+    want = F.softmax(q[2] @ keys.T * 0.25, dim=-1) @ keys
+    _close(out[2], want)
+
+
+@pytest.mark.parametrize(("tables", "ctx", "message"), [
+    ([[2, 0]], [20], "block id out of range"),  # block 2 of a 2-block pool
+    ([[1, -1]], [20], "block id out of range"),
+    ([[1, 0]], [33], "context length out of range"),  # more than the table covers
+    ([[1, 0]], [0], "context length out of range"),
+])
+def test_decode_attention_rejects_bad_indices(tables: list[list[int]], ctx: list[int],
+                                              message: str) -> None:
+    cache = torch.randn(32, 1, 16)
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.nanoserve.paged_decode_attention(
+            torch.randn(1, 1, 16), cache, cache, torch.tensor([0]), torch.tensor(tables),
+            torch.tensor(ctx), 16, 1.0, torch.empty(1, 1, 16))
+
+
+def test_kernels_reject_other_dtypes() -> None:
+    x = torch.randn(2, 32, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.nanoserve.rms_norm(x, torch.ones(32), 1e-5, torch.empty_like(x))
+
+
+def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, **env}, check=True, timeout=300)
+
+
+def test_without_a_compiler_the_model_runs_the_stock_path(tmp_path: Path) -> None:
+    code = ("import logging; logging.basicConfig(level=logging.INFO)\n"
+            "from nanoserve.model import native; print('available', native.available())")
+    done = _python(code, {"CXX": str(tmp_path / "no-such-compiler"),
+                          "NANOSERVE_CACHE": str(tmp_path)})
+    assert "available False" in done.stdout
+    assert "native kernels unavailable, using stock PyTorch ops" in done.stderr
+    off = _python(code, {"NANOSERVE_NATIVE": "0"})
+    assert "available False" in off.stdout
+    assert "NANOSERVE_NATIVE=0" in off.stderr
