@@ -3,11 +3,12 @@
 The source is built with the system's C++ compiler against the installed torch's headers
 into a shared library that registers `torch.ops.nanoserve.*`, cached beside the converted
 model (`$NANOSERVE_CACHE`, else ~/.cache/nanoserve) under a digest of the source, the
-compiler command and the torch version, so a change to any of them builds anew and a stale
-library is never loaded. `-march=native` is safe because the library is built where it runs.
+compiler command, the torch version and the CPU's instruction-set flags, so a change to any
+of them builds anew and a stale library is never loaded: `-march=native` code is only ever
+loaded on the kind of CPU that built it, even from a cache shared between machines.
 
 No ninja and no pybind11 (what torch.utils.cpp_extension's JIT needs): one compiler
-command, about 30 s on 2 cores, once. Without a compiler, or with NANOSERVE_NATIVE=0, the
+command, about 20 s on 2 cores, once. Without a compiler, or with NANOSERVE_NATIVE=0, the
 model runs its stock-PyTorch path, which gives the same tokens more slowly; the reason is
 logged once.
 """
@@ -47,11 +48,20 @@ def _command(sources: tuple[Path, ...], output: Path, compiler: str) -> list[str
     return [*cmd, "-lc10", "-ltorch_cpu", "-o", str(output)]
 
 
+def _cpu_flags() -> bytes:
+    """The CPU's instruction-set flags (Linux), or nothing where /proc does not tell."""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            return next((line for line in f if line.startswith(b"flags")), b"")
+    except OSError:
+        return b""
+
+
 def _build(root: Path) -> Path:
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++ or c++) on PATH")
-    digest = hashlib.sha256(torch.__version__.encode())
+    digest = hashlib.sha256(torch.__version__.encode() + _cpu_flags())
     for s in (*_SOURCES, *_HEADERS):
         digest.update(s.read_bytes())
     digest.update(" ".join(_command(_SOURCES, Path("out"), compiler)).encode())
@@ -65,11 +75,12 @@ def _build(root: Path) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
     os.close(fd)
     try:
-        log.info("building nanoserve's CPU kernels into %s (once, about 30 s)", lib)
+        log.info("building nanoserve's CPU kernels into %s (once, about 20 s)", lib)
         done = subprocess.run(_command(_SOURCES, Path(tmp), compiler), capture_output=True,
                               text=True, check=False)
         if done.returncode != 0:
             raise RuntimeError(f"compiler failed: {done.stderr.strip()[-2000:]}")
+        os.chmod(tmp, 0o755)  # mkstemp makes it private; the cache may be shared
         os.replace(tmp, lib)
     finally:
         Path(tmp).unlink(missing_ok=True)
