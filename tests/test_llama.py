@@ -20,6 +20,7 @@ from native_check import require_native
 from reference import RefCase, compare_greedy, hf_greedy, load_reference
 
 from nanoserve.model.base import ForwardBatch, ModelConfig
+from nanoserve.model.linear import Proj, mkl_packing_available
 from nanoserve.model.llama import LlamaModel
 
 TOL = 1e-3
@@ -206,6 +207,26 @@ def test_tiny_decode_groups_and_packed_weights_keep_the_logits(
     for s, a, b in zip(prompts, *runs, strict=True):
         assert _max_diff(a, b) < 1e-5
         assert _max_diff(a, _hf_logits(hf, prompts[s])[-1:]) < 1e-4
+
+
+def _ops_called(fn: Callable[[], object]) -> set[str]:
+    with torch.profiler.profile() as prof:
+        fn()
+    return {e.key for e in prof.key_averages()}
+
+
+def test_packed_weights_from_two_rows_with_the_same_bits() -> None:
+    """model/linear.py: one row is a plain gemv, two or more the pre-packed sgemm (2x faster
+    at 2-8 rows), and the packed product has the plain one's bits."""
+    if not mkl_packing_available():
+        pytest.skip("no MKL packing in this torch build")
+    torch.manual_seed(5)
+    w = torch.randn(96, 72)
+    packed, plain = Proj(w, pack=True), Proj(w, pack=False)
+    for rows in (1, 2, 3, 7, 8, 9):
+        x = torch.randn(rows, 72)
+        assert torch.equal(packed(x), plain(x))
+        assert ("mkl::_mkl_linear" in _ops_called(lambda x=x: packed(x))) == (rows >= 2)
 
 
 # ---- SmolLM2 against the oracle ------------------------------------------------------------
