@@ -9,6 +9,9 @@ counts, each with a physical reason:
             + d * decode_seqs            (matmuls, sampling and detokenizing one token per row)
             + e * decode_context         (decode attention: a row reads its whole KV)
             + f * prefill_attention      (causal attention of the prefill chunks, pairs)
+            + g * batched                (1 when the step multiplies two or more rows by
+                                          the weights: a packed gemm, where one row is a
+                                          gemv; on this CPU 60 ms at one row, 75 at two)
 
 The coefficients are fitted by least squares on relative error (each sample weighted by
 1 / its time), since a 5 ms step predicted 5 ms off matters as much as a 500 ms one predicted
@@ -28,14 +31,19 @@ from typing import Any
 from nanoserve.engine import StepResult
 
 FEATURES = ("const", "prefill_tokens", "prefill_seqs", "decode_seqs", "decode_context",
-            "prefill_attention")
-COST_FORMAT = 1
+            "prefill_attention", "batched")
+# Format 2 added `batched`. A format-1 file is the same law without it, so it still loads,
+# with that coefficient 0.
+COST_FORMAT = 2
+_FORMATS = {1: FEATURES[:6], 2: FEATURES}
 
 
 def step_features(r: StepResult) -> tuple[float, ...]:
     """The step's work counts, in FEATURES order."""
+    rows = r.num_prefill_tokens + r.num_decode_tokens  # rows through the weight multiplies
     return (1.0, float(r.num_prefill_tokens), float(r.num_prefill_seqs),
-            float(r.num_decode_tokens), float(r.decode_context), float(r.prefill_attention))
+            float(r.num_decode_tokens), float(r.decode_context), float(r.prefill_attention),
+            1.0 if rows >= 2 else 0.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,14 +94,17 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], name: str | None = None) -> CostModel:
-        if d.get("nanoserve_cost_model") != COST_FORMAT:
-            raise ValueError(f"not a nanoserve cost model (format {COST_FORMAT}): "
-                             f"nanoserve_cost_model = {d.get('nanoserve_cost_model')!r}")
+        fmt = d.get("nanoserve_cost_model")
+        keys = _FORMATS.get(fmt) if isinstance(fmt, int) else None
+        if keys is None:
+            raise ValueError(f"not a nanoserve cost model (formats {', '.join(map(str, _FORMATS))}"
+                             f"): nanoserve_cost_model = {fmt!r}")
         coef = d.get("coef")
-        if not isinstance(coef, Mapping) or set(coef) != set(FEATURES):
-            raise ValueError(f"cost model coef must have exactly the keys {', '.join(FEATURES)}")
+        if not isinstance(coef, Mapping) or set(coef) != set(keys):
+            raise ValueError(f"cost model format {fmt} coef must have exactly the keys "
+                             f"{', '.join(keys)}")
         return cls(
-            coef=tuple(float(coef[k]) for k in FEATURES),
+            coef=tuple(float(coef.get(k, 0.0)) for k in FEATURES),
             name=name or str(d.get("name") or "unnamed"),
             model=str(d.get("model", "")),
             machine=dict(d.get("machine", {})),
@@ -145,7 +156,7 @@ def fit_coefficients(
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
-    """Gaussian elimination with partial pivoting (k is at most six)."""
+    """Gaussian elimination with partial pivoting (k is at most seven)."""
     n = len(b)
     m = [row[:] + [b[i]] for i, row in enumerate(a)]
     for col in range(n):

@@ -35,13 +35,14 @@ from sim.cost import FEATURES, CostModel, fit_coefficients, relative_errors, ste
 
 # Decode rows, their context, prompt tokens. Sized for a 2-core CPU: a few minutes.
 # Five prefill sizes: the cost is fitted in P, P² (attention) and whether P > 0, and a
-# held-out point must not be the one that pins a coefficient. Decode counts 2 and 4 because
-# a step is not linear there: one row multiplies by the weights as a gemv, two or more as a
-# packed gemm (measured, one thread: 60 ms at 1 row, 80-97 ms at 2-4, 95-99 ms at 8), and a
-# fit through 1 and 8 alone put 3 rows 20 ms low, which light loads are made of.
+# held-out point must not be the one that pins a coefficient. Decode counts 1 and 2 apart
+# because a step is not linear there: one row multiplies by the weights as a gemv, two or
+# more as a packed gemm (measured, one thread: 60 ms at 1 row, 75-90 ms at 2-4, 95-110 ms
+# at 8), which the cost model's `batched` term prices; one row with no prompt is the only
+# point where it is 0, so it is measured at every context.
 GRID = {"decode": (0, 1, 2, 4, 8, 32), "context": (32, 256, 640),
         "prefill": (0, 32, 96, 224, 448)}
-QUICK_GRID = {"decode": (0, 2, 6), "context": (16, 48), "prefill": (0, 8, 24, 40)}
+QUICK_GRID = {"decode": (0, 1, 6), "context": (16, 48), "prefill": (0, 8, 24, 40)}
 
 
 @dataclass(frozen=True, slots=True)

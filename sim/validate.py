@@ -5,7 +5,10 @@ with the live clock: steps in a worker thread, wall-clock seconds), with one cli
 request that arrives at its at_s, streams its updates and notes when each arrives. The
 predicted side runs the same workload in `sim.fleet.simulate` with the stub model and the
 cost model. Both sides are reduced by the same `summarize`, so a difference is the cost
-model's error plus the measurement's noise, never a difference of definitions.
+model's error plus the measurement's noise, never a difference of definitions. Before each
+run and after the last it measures the machine's speed against the cost model's
+(sim/calibrate.py) and shows a second prediction at that speed, so that a host running
+slower today than when it was profiled is not mistaken for a simulator error.
 
 `drive_bridge` works under any clock: under the virtual clock (trio.testing.MockClock) it is
 the slow, Trio path that tests/test_capacity_fleet.py holds the fast engine-level loop to.
@@ -31,6 +34,7 @@ from nanoserve.engine import Engine, StepResult
 from nanoserve.model.stub import StubModel
 from nanoserve.sampling import ParamError, SamplingParams
 from nanoserve.serving import AsyncEngine
+from sim.calibrate import geometric_mean, machine_speed, scaled, steal_seconds
 from sim.capacity import default_num_blocks, flat
 from sim.capacity_load import SimRequest, Workload, spec_workload
 from sim.capacity_metrics import summarize
@@ -171,28 +175,48 @@ def run_validate(a: argparse.Namespace) -> int:
     predicted = flat(predict(workload, cost, tok, config, a.warmup))
     runs: list[dict[str, Any]] = []
     contentions: list[float] = []
+    steals: list[float | None] = []
+    # The machine's speed against the cost model's before each run and after the last
+    # (sim/calibrate.py): what tells the host's drift apart from the model's error.
+    speeds = [machine_speed(model, tok, cost)]
     for k in range(a.runs):
+        steal0, t0 = steal_seconds(), time.perf_counter()
         result, contention = measure(workload, Engine(model, tok, config))
+        steal1, wall = steal_seconds(), time.perf_counter() - t0
+        steals.append(None if steal0 is None or steal1 is None else (steal1 - steal0) / wall)
         contentions.append(contention)
+        speeds.append(machine_speed(model, tok, cost))
         runs.append(flat(summarize(result, warmup=a.warmup, slo=None,
                                    num_blocks=config.num_blocks or 1)))
         print(f"run {k + 1}/{a.runs}: {runs[-1]['output_token_throughput']:.1f} tok/s, "
               f"ttft p50 {runs[-1]['ttft_p50']}, tpot p50 {runs[-1]['tpot_p50']}, "
-              f"steps took {contention:.2f}x their CPU time", file=sys.stderr, flush=True)
+              f"steps took {contention:.2f}x their CPU time, machine speed "
+              f"x{speeds[-2]:.3f} before, x{speeds[-1]:.3f} after", file=sys.stderr, flush=True)
+    speed = geometric_mean(speeds)
+    now = scaled(cost, speed)
     rows = compare(predicted, runs)
+    rows_now = compare(flat(predict(workload, now, tok, config, a.warmup)), runs)
+    known = [s for s in steals if s is not None]
     print(f"load {workload.source} on {a.model}; cost model {cost.name}; {a.runs} runs; "
-          f"steps took {statistics.fmean(contentions):.2f}x their CPU time (1 = idle cores)")
-    print(f"{'metric':>24} {'predicted':>10} {'measured':>10} {'spread':>9} {'error':>8}")
-    for r in rows:
+          f"steps took {statistics.fmean(contentions):.2f}x their CPU time (1 = idle cores)"
+          + (f"; host steal {statistics.fmean(known):.0%} of a CPU" if known else ""))
+    print(f"machine speed against the cost model: x{speed:.3f} (" +
+          " ".join(f"{s:.3f}" for s in speeds) + "; > 1: slower than when profiled); "
+          f"'at x{speed:.3f}' predicts with the cost model scaled by it")
+    print(f"{'metric':>24} {'predicted':>10} {'measured':>10} {'spread':>9} {'error':>8}"
+          f"      {f'at x{speed:.3f}':>10} {'error':>8}")
+    for r, n in zip(rows, rows_now, strict=True):
         if r["measured"] is None:
             print(f"{r['metric']:>24} {'-':>10} {'-':>10}")
             continue
         print(f"{r['metric']:>24} {r['predicted']:>10.4g} {r['measured']:>10.4g} "
-              f"{r['spread']:>9.3g} {r['error']:>+8.1%}{'' if r['within'] else '  OUT'}")
+              f"{r['spread']:>9.3g} {r['error']:>+8.1%}{'' if r['within'] else ' OUT':4} "
+              f" {n['predicted']:>10.4g} {n['error']:>+8.1%}{'' if n['within'] else ' OUT'}")
     if a.out:
         Path(a.out).write_text(json.dumps({"load": workload.source, "model": a.model,
                                            "cost_model": cost.name, "predicted": predicted,
                                            "runs": runs, "contention": contentions,
-                                           "compare": rows}, indent=1) + "\n",
-                               encoding="utf-8")
+                                           "steal": steals, "machine_speed": speeds,
+                                           "compare": rows, "compare_at_speed": rows_now},
+                                          indent=1) + "\n", encoding="utf-8")
     return 0

@@ -21,6 +21,9 @@ from nanoserve.model.stub import StubModel
 from nanoserve.sampling import SamplingParams
 from nanoserve.serving import AsyncEngine
 from nanoserve.tokenizer import Tokenizer
+from sim.calibrate import geometric_mean, scaled
+from sim.capacity import flat
+from sim.capacity_cli import engine_config
 from sim.capacity_load import SimRequest, spec_workload, trace_workload
 from sim.cli import main
 from sim.cost import CostModel
@@ -28,9 +31,9 @@ from sim.fleet import Record, simulate
 from sim.load import generate_load
 from sim.load_spec import parse_load_spec
 from sim.trace import write_trace
-from sim.validate import COMPARED, drive_bridge
+from sim.validate import COMPARED, drive_bridge, predict
 
-COST = CostModel((0.01, 1e-4, 5e-4, 2e-3, 2e-6, 1e-8), name="synthetic")
+COST = CostModel((0.01, 1e-4, 5e-4, 2e-3, 2e-6, 1e-8, 0.0), name="synthetic")
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +265,7 @@ def test_chat_spec_counts_the_template(tok: Tokenizer) -> None:
     assert [len(r.prompt_ids) for r in plain.requests] == [20] * 3
 
 
-def test_validate_cli_compares_every_metric_on_the_stub(tmp_path: Path,
+def test_validate_cli_compares_every_metric_on_the_stub(tmp_path: Path, tok: Tokenizer,
                                                          capsys: pytest.CaptureFixture[str]
                                                          ) -> None:
     cost = tmp_path / "cost.json"
@@ -272,9 +275,21 @@ def test_validate_cli_compares_every_metric_on_the_stub(tmp_path: Path,
                  "output=fixed:5", "--cost", str(cost), "--runs", "2", "--engine",
                  "num_blocks=128", "max_model_len=1024", "--out", str(out)])
     assert code == 0
-    assert "x their CPU time" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "x their CPU time" in printed
+    assert "machine speed against the cost model" in printed
     rep = json.loads(out.read_text())
     assert [r["metric"] for r in rep["compare"]] == list(COMPARED)
+    # The speed is checked before each run and after the last, and the second prediction is
+    # the simulator's under the cost model scaled by their geometric mean.
+    assert len(rep["machine_speed"]) == 3
+    assert len(rep["steal"]) == 2
+    at_speed = scaled(COST, geometric_mean(rep["machine_speed"]))
+    workload = spec_workload(parse_load_spec("n=6,rate=40,prompt=fixed:24,output=fixed:5"),
+                             tok, tok.vocab_size)
+    config = engine_config(["num_blocks=128", "max_model_len=1024"])
+    want = flat(predict(workload, at_speed, tok, config, 0.0))
+    assert [r["predicted"] for r in rep["compare_at_speed"]] == [want[m] for m in COMPARED]
     assert [r["finished"] for r in rep["runs"]] == [6, 6]
     # Six requests of five tokens: the predicted side is exact about counts.
     assert rep["predicted"]["finished"] == 6

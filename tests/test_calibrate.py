@@ -1,0 +1,55 @@
+"""sim/calibrate.py: the machine's speed against a cost model, from the profile's own grid
+code; timings are injected (a step "takes" a known time), never measured."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanoserve.model.loader import resolve_model
+from nanoserve.model.stub import StubModel
+from nanoserve.tokenizer import Tokenizer
+from sim.calibrate import CHECK_GRID, geometric_mean, machine_speed, scaled, steal_seconds
+from sim.cost import CostModel
+
+
+def ticking(step_s: float) -> object:
+    """A timer under which every timed step lasts `step_s`."""
+    t = [0.0]
+
+    def timer() -> float:
+        t[0] += step_s  # a step is timed as the difference of two consecutive reads
+        return t[0]
+
+    return timer
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.from_folder(resolve_model("smollm2"))
+
+
+def test_speed_is_measured_over_priced_on_the_check_grid(tok: Tokenizer) -> None:
+    flat = CostModel((0.25, 0, 0, 0, 0, 0, 0))  # every step 250 ms
+    assert machine_speed(StubModel(tok), tok, flat, reps=1,
+                         timer=ticking(0.5)) == pytest.approx(2.0)  # type: ignore[arg-type]
+    # Priced by what each measured step computed: a model that charges per decode row sees
+    # the 1-row and 8-row points at different ratios and takes their geometric mean.
+    rows = CostModel((0, 0, 0, 0.1, 0, 0, 0))
+    speed = machine_speed(StubModel(tok), tok, rows, reps=1,
+                          timer=ticking(0.4))  # type: ignore[arg-type]
+    assert CHECK_GRID["decode"] == (1, 8)
+    assert len(CHECK_GRID["prefill"]) == 2
+    assert speed == pytest.approx(geometric_mean([4.0, 4.0, 0.5, 0.5]))
+
+
+def test_scaled_prices_every_step_by_the_factor() -> None:
+    cost = CostModel((0.02, 1e-4, 3e-3, 2e-3, 4e-6, 2e-8, 5e-3), name="m.json")
+    x = (1.0, 96.0, 1.0, 8.0, 2000.0, 4656.0, 1.0)
+    slow = scaled(cost, 1.25)
+    assert slow.predict(x) == pytest.approx(1.25 * cost.predict(x))
+    assert slow.name == "m.json x1.250"
+
+
+def test_steal_is_seconds_or_unknown() -> None:
+    s = steal_seconds()
+    assert s is None or s >= 0.0
