@@ -2,11 +2,12 @@
 
 What is timed is a whole `Engine.step()` (schedule, forward, sample, detokenize, update),
 since that is what a step costs a server. A grid point is (D decoding sequences at context
-C, plus one fresh prompt of P tokens): the D sequences are prefilled first (not timed), a
-few warm-up steps run, then the step that decodes the D rows and prefills a new prompt of P
-tokens (max_tokens 1, so it leaves at once; the prefix cache is off, so nothing is reused)
-is timed `reps` times for each P, the sizes taken in turn rep by rep, and the median is
-kept. Contexts grow by one token per step, which the features record exactly.
+C, plus one fresh prompt of P tokens). Each (D, C) cell has its own engine, whose D
+sequences are prefilled first (not timed) and take a few warm-up steps; then, `reps`
+times, every cell in turn takes one untimed step and the steps that decode its D rows and
+prefill a new prompt of each size P (max_tokens 1, so it leaves at once; the prefix cache
+is off, so nothing is reused), timed; the median over reps is kept. Contexts grow by one
+token per step, which the features record exactly.
 
 The fit is checked before it is trusted: a seeded quarter of the grid points is held out,
 the model is fitted on the rest, and its relative error on the held-out points is printed
@@ -64,42 +65,50 @@ def measure_grid(model: Model, tokenizer: Tokenizer, grid: Mapping[str, Sequence
     def ids(n: int) -> list[int]:
         return [rng.randrange(1000, vocab) for _ in range(n)]
 
-    out: list[Measured] = []
     pmax = max(grid["prefill"])
-    for d in grid["decode"]:
-        for c in grid["context"] if d else grid["context"][:1]:
-            need = (d * (c + reps * len(grid["prefill"]) + warmup + 8) + pmax) // block_size
-            blocks = need + 16 + d
-            ctx = min(model.config.max_position_embeddings, blocks * block_size)
-            config = EngineConfig(block_size=block_size, num_blocks=blocks, max_model_len=ctx,
-                                  max_num_seqs=d + 1, max_num_batched_tokens=max(d + pmax, 512),
-                                  prefix_caching=False)
-            eng = Engine(model, tokenizer, config)
-            # Long enough to keep decoding through every timed step of this point.
-            long = SamplingParams(temperature=0, ignore_eos=True, max_tokens=ctx - c)
-            for _ in range(d):
-                eng.add_request(ids(c), long)
-            while any(r.num_output == 0 for r in eng.requests.values()):
-                eng.step()  # the D rows' prefill: not timed
-            for _ in range(warmup):
-                eng.step()
-            sizes = [p for p in grid["prefill"] if d or p]
-            samples: dict[int, list[tuple[float, StepResult]]] = {p: [] for p in sizes}
-            # Round-robin over the prompt sizes, rep by rep: on a shared machine a burst of
-            # someone else's work then lands on every size alike, not on one point.
-            for _ in range(reps):
-                for p in sizes:
-                    if p:
-                        eng.add_request(ids(p), SamplingParams(temperature=0, max_tokens=1))
-                    t0 = timer()
-                    res = eng.step()
-                    samples[p].append((timer() - t0, res))
-            for p in sizes:
-                ordered = sorted(samples[p], key=lambda s: s[0])
-                sec, res = ordered[len(ordered) // 2]
-                out.append(Measured(d, c, p, step_features(res), sec))
-                if log is not None:
-                    log(f"decode={d:3d} context={c:4d} prefill={p:4d}: {sec * 1000:8.2f} ms")
+    # Decode 0 has no context to vary: one cell.
+    cells = [(d, c) for d in grid["decode"] for c in grid["context"][: None if d else 1]]
+    engines: dict[tuple[int, int], Engine] = {}
+    for d, c in cells:
+        # Each visit takes one untimed step, then one timed step per prompt size.
+        steps = reps * (len(grid["prefill"]) + 1) + warmup + 8
+        blocks = (d * (c + steps) + pmax) // block_size + 16 + d
+        ctx = min(model.config.max_position_embeddings, blocks * block_size)
+        config = EngineConfig(block_size=block_size, num_blocks=blocks, max_model_len=ctx,
+                              max_num_seqs=d + 1, max_num_batched_tokens=max(d + pmax, 512),
+                              prefix_caching=False)
+        eng = engines[d, c] = Engine(model, tokenizer, config)
+        # Long enough to keep decoding through every timed step of this cell.
+        long = SamplingParams(temperature=0, ignore_eos=True, max_tokens=ctx - c)
+        for _ in range(d):
+            eng.add_request(ids(c), long)
+        while any(r.num_output == 0 for r in eng.requests.values()):
+            eng.step()  # the D rows' prefill: not timed
+        for _ in range(warmup):
+            eng.step()
+    samples: dict[tuple[int, int, int], list[tuple[float, StepResult]]] = {}
+    # Rep by rep over every cell, and within a cell over the prompt sizes in turn: a shared
+    # host's speed drifts by several percent over minutes, and measuring a cell's reps
+    # back to back would hand that drift to the cell (measured: whole cells 8% off the fit,
+    # in one direction) where interleaving spreads it over all of them as noise.
+    for rep in range(reps):
+        for d, c in cells:
+            eng = engines[d, c]
+            eng.step()  # back on this engine: one untimed step, as a server's last one
+            for p in (p for p in grid["prefill"] if d or p):
+                if p:
+                    eng.add_request(ids(p), SamplingParams(temperature=0, max_tokens=1))
+                t0 = timer()
+                res = eng.step()
+                samples.setdefault((d, c, p), []).append((timer() - t0, res))
+        if log is not None:
+            log(f"rep {rep + 1}/{reps} of {len(samples)} grid points done")
+    out: list[Measured] = []
+    for (d, c, p), got in samples.items():
+        sec, res = sorted(got, key=lambda s: s[0])[len(got) // 2]
+        out.append(Measured(d, c, p, step_features(res), sec))
+        if log is not None:
+            log(f"decode={d:3d} context={c:4d} prefill={p:4d}: {sec * 1000:8.2f} ms")
     return out
 
 

@@ -56,6 +56,23 @@ def test_grid_covers_every_point_with_the_work_it_names(tok: Tokenizer) -> None:
         assert f["batched"] == (0 if (p.decode, p.prefill) == (1, 0) else 1)
 
 
+def test_reps_are_interleaved_over_the_whole_grid(tok: Tokenizer) -> None:
+    # A host that slows down steadily: the k-th timed step lasts k seconds. Were a cell's
+    # reps taken back to back, the first cell would keep the fast times and the last the
+    # slow ones; interleaved, every point's median is its middle rep, from one sweep.
+    calls = [0]
+
+    def drifting() -> float:
+        calls[0] += 1
+        k = (calls[0] + 1) // 2  # the k-th timed step's start and end reads
+        return float(k * (k + 1) // 2) if calls[0] % 2 == 0 else float(k * (k - 1) // 2)
+
+    points = measure_grid(StubModel(tok), tok, QUICK_GRID, reps=3,
+                          timer=drifting)
+    n = len(points)
+    assert sorted(p.seconds for p in points) == [float(k) for k in range(n + 1, 2 * n + 1)]
+
+
 def test_fit_recovers_a_linear_law_and_holds_out_a_quarter(tok: Tokenizer) -> None:
     points = measure_grid(StubModel(tok), tok, QUICK_GRID, reps=1,
                           timer=counting_timer())  # type: ignore[arg-type]
