@@ -36,7 +36,7 @@ from sim.cost import FEATURES, CostModel, fit_coefficients, relative_errors, ste
 
 # Decode rows, their context, prompt tokens. Sized for a 2-core CPU: a few minutes.
 # Five prefill sizes: the cost is fitted in P, P² (attention) and whether P > 0, and a
-# held-out point must not be the one that pins a coefficient. Decode counts 1 and 2 apart
+# held-out point must not be the one that pins a coefficient. Decode counts 1 and 2 both,
 # because a step is not linear there: one row multiplies by the weights as a gemv, two or
 # more as a packed gemm (measured, one thread: 60 ms at 1 row, 75-90 ms at 2-4, 95-110 ms
 # at 8), which the cost model's `batched` term prices; one row with no prompt is the only
