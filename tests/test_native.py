@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -168,3 +169,26 @@ def test_without_a_compiler_the_model_runs_the_stock_path(tmp_path: Path) -> Non
     off = _python(code, {"NANOSERVE_NATIVE": "0"})
     assert "available False" in off.stdout
     assert "NANOSERVE_NATIVE=0" in off.stderr
+
+
+def test_a_load_keeps_its_library_and_a_build_prunes_the_stale_ones(tmp_path: Path) -> None:
+    from nanoserve.model import native
+    from nanoserve.model.loader import cache_root
+
+    day = 86400.0
+    folder = tmp_path / "native"
+    folder.mkdir()
+    ages = {"nanoserve_ops-stale.so": 31, "nanoserve_ops-recent.so": 2, "nanoserve_ops-new.so": 40,
+            "notes.txt": 90}
+    now = time.time()
+    for name, days in ages.items():
+        (folder / name).write_bytes(b"")
+        os.utime(folder / name, (now - days * day, now - days * day))
+    native._prune(folder, keep=folder / "nanoserve_ops-new.so")  # just built: kept
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "nanoserve_ops-new.so", "nanoserve_ops-recent.so", "notes.txt"]
+    # Loading the library this suite uses marks it fresh, so no other build prunes it.
+    lib = native._build(cache_root())
+    os.utime(lib, (now - 60 * day, now - 60 * day))
+    assert native._build(cache_root()) == lib
+    assert lib.stat().st_mtime > now - day

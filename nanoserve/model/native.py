@@ -5,7 +5,8 @@ into a shared library that registers `torch.ops.nanoserve.*`, cached beside the 
 model (`$NANOSERVE_CACHE`, else ~/.cache/nanoserve) under a digest of the source, the
 compiler command, the torch version and the CPU's instruction-set flags, so a change to any
 of them builds anew and a stale library is never loaded: `-march=native` code is only ever
-loaded on the kind of CPU that built it, even from a cache shared between machines.
+loaded on the kind of CPU that built it, even from a cache shared between machines. Each
+load touches its library; a new build removes those no process has loaded for 30 days.
 
 No ninja and no pybind11 (what torch.utils.cpp_extension's JIT needs): one compiler
 command, about 20 s on 2 cores, once. Without a compiler, or with NANOSERVE_NATIVE=0, the
@@ -15,6 +16,7 @@ logged once.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -22,6 +24,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -33,6 +36,7 @@ log = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = (_CSRC / "attention.cpp", _CSRC / "layers.cpp")
 _HEADERS = (_CSRC / "vec.h",)
+STALE_AFTER_S = 30 * 86400
 
 
 def _command(sources: tuple[Path, ...], output: Path, compiler: str) -> list[str]:
@@ -68,6 +72,8 @@ def _build(root: Path) -> Path:
     folder = root / "native"
     lib = folder / f"nanoserve_ops-{digest.hexdigest()[:16]}.so"
     if lib.exists():
+        with contextlib.suppress(OSError):  # a read-only cache still loads
+            os.utime(lib)  # in use: kept by _prune
         return lib
     folder.mkdir(parents=True, exist_ok=True)
     # Built under a temporary name and renamed into place: a concurrent build by another
@@ -84,7 +90,19 @@ def _build(root: Path) -> Path:
         os.replace(tmp, lib)
     finally:
         Path(tmp).unlink(missing_ok=True)
+    _prune(folder, keep=lib)
     return lib
+
+
+def _prune(folder: Path, keep: Path, max_age_s: float = STALE_AFTER_S) -> None:
+    """Remove libraries no process has loaded for `max_age_s` (each load touches its
+    library): every edit of the sources or torch upgrade leaves one behind, and one still
+    loaded by another torch or another CPU sharing the cache stays fresh."""
+    cutoff = time.time() - max_age_s
+    for old in folder.glob("nanoserve_ops-*.so"):
+        with contextlib.suppress(OSError):  # gone already, or not ours to remove
+            if old != keep and old.stat().st_mtime < cutoff:
+                old.unlink()
 
 
 @functools.cache
