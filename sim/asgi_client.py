@@ -36,6 +36,7 @@ class Exchange:
     _to_app: trio.MemorySendChannel[Message]
     _from_app: trio.MemoryReceiveChannel[Message]
     status: int | None = None
+    headers: dict[str, str] = field(default_factory=dict)  # names lowercased
     body: bytearray = field(default_factory=bytearray)
     complete: bool = False  # the app sent its last body message
     disconnected: bool = False
@@ -66,6 +67,7 @@ class Exchange:
     def _take(self, msg: Message) -> None:
         if msg["type"] == "http.response.start":
             self.status = msg["status"]
+            self.headers = {k.decode().lower(): v.decode() for k, v in msg.get("headers", [])}
         elif msg["type"] == "http.response.body":
             chunk = msg.get("body", b"")
             self.body += chunk

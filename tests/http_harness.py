@@ -17,11 +17,12 @@ import json
 import math
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import trio
 
+from sim import asgi_client
 from sim.asgi_client import lifespan, sse_events
 from sim.loopback import hypercorn_on_loopback  # noqa: F401  (re-exported for the tests)
 
@@ -42,34 +43,15 @@ class HttpResponse:
 
 
 @dataclass(slots=True, eq=False)
-class Exchange:
-    """One request in progress: feed its body, read its response, hang up."""
+class Exchange(asgi_client.Exchange):
+    """One request in progress: feed its body, read its response, hang up. The replay
+    driver's exchange (status, headers, body, SSE split, `disconnect()`), plus the blocking
+    reads and body feeding a test wants."""
 
-    _to_app: trio.MemorySendChannel[Message]
-    _from_app: trio.MemoryReceiveChannel[Message]
-    status: int | None = None
-    headers: dict[str, str] = field(default_factory=dict)
-    body: bytearray = field(default_factory=bytearray)
-    complete: bool = False  # the app sent its last body message
-    _pending: bytearray = field(default_factory=bytearray)  # SSE bytes not yet parsed
     release_start: Callable[[], None] = lambda: None
 
     async def send_body(self, chunk: bytes, *, more: bool = False) -> None:
         await self._to_app.send({"type": "http.request", "body": chunk, "more_body": more})
-
-    def disconnect(self) -> None:
-        """The client hangs up (what a server sends when the socket closes)."""
-        self._to_app.send_nowait({"type": "http.disconnect"})
-
-    def _take(self, msg: Message) -> None:
-        if msg["type"] == "http.response.start":
-            self.status = msg["status"]
-            self.headers = {k.decode().lower(): v.decode() for k, v in msg.get("headers", [])}
-        elif msg["type"] == "http.response.body":
-            chunk = msg.get("body", b"")
-            self.body += chunk
-            self._pending += chunk
-            self.complete = not msg.get("more_body", False)
 
     async def _pull(self) -> bool:
         """Take one message from the app; False once the response is complete."""
@@ -81,17 +63,10 @@ class Exchange:
     def ready_events(self) -> list[str]:
         """The SSE payloads the app has sent so far, without waiting: for gate-clock tests,
         after `wait_all_tasks_blocked()`."""
-        while not self.complete:
-            try:
-                msg = self._from_app.receive_nowait()
-            except (trio.WouldBlock, trio.EndOfChannel):
-                break
-            self._take(msg)
-        block, sep, rest = bytes(self._pending).rpartition(b"\n\n")
-        if not sep:
-            return []
-        self._pending = bytearray(rest)
-        return sse_events(block + sep)
+        self.poll()
+        out = list(self.events)
+        self.events.clear()
+        return out
 
     async def start(self) -> int:
         """Wait for the status line."""
@@ -102,13 +77,12 @@ class Exchange:
 
     async def next_event(self) -> str | None:
         """The next SSE `data:` payload, or None once the body has ended."""
-        while b"\n\n" not in self._pending:
+        while True:
+            self._split()
+            if self.events:
+                return self.events.popleft()
             if not await self._pull():
                 return None
-        block, _, rest = bytes(self._pending).partition(b"\n\n")
-        self._pending = bytearray(rest)
-        events = sse_events(block + b"\n\n")
-        return events[0] if events else await self.next_event()
 
     async def read_all(self) -> HttpResponse:
         while await self._pull():
