@@ -52,11 +52,12 @@ def scaled(cost: CostModel, factor: float) -> CostModel:
                    name=f"{cost.name} x{factor:.3f}")
 
 
-def steal_seconds() -> float | None:
+def steal_seconds(stat: str | os.PathLike[str] = "/proc/stat") -> float | None:
     """CPU seconds the hypervisor has taken from this guest since boot, summed over its
-    CPUs (/proc/stat's `steal`); None where the kernel does not say."""
+    CPUs (the `steal` column of /proc/stat's first line); None where the kernel does not
+    say."""
     try:
-        with open("/proc/stat", encoding="ascii") as f:
+        with open(stat, encoding="ascii") as f:
             fields = f.readline().split()
     except OSError:
         return None

@@ -3,6 +3,9 @@ code; timings are injected (a step "takes" a known time), never measured."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from nanoserve.model.loader import resolve_model
@@ -50,6 +53,12 @@ def test_scaled_prices_every_step_by_the_factor() -> None:
     assert slow.name == "m.json x1.250"
 
 
-def test_steal_is_seconds_or_unknown() -> None:
-    s = steal_seconds()
-    assert s is None or s >= 0.0
+def test_steal_is_the_eighth_counter_of_the_cpu_line(tmp_path: Path) -> None:
+    stat = tmp_path / "stat"
+    # user nice system idle iowait irq softirq steal guest guest_nice, in clock ticks
+    stat.write_text("cpu  3535376 509123 151200 6197639 7217 0 7855 321132 0 0\n"
+                    "cpu0 1 2 3 4 5 6 7 8 0 0\n")
+    assert steal_seconds(stat) == 321132 / os.sysconf("SC_CLK_TCK")
+    stat.write_text("intr 1 2 3\n")  # not a Linux /proc/stat: unknown, not zero
+    assert steal_seconds(stat) is None
+    assert steal_seconds(tmp_path / "missing") is None

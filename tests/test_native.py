@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -176,19 +175,20 @@ def test_a_load_keeps_its_library_and_a_build_prunes_the_stale_ones(tmp_path: Pa
     from nanoserve.model.loader import cache_root
 
     day = 86400.0
+    now = 2_000_000_000.0  # a fixed "now": the ages are all relative to it
     folder = tmp_path / "native"
     folder.mkdir()
     ages = {"nanoserve_ops-stale.so": 31, "nanoserve_ops-recent.so": 2, "nanoserve_ops-new.so": 40,
             "notes.txt": 90}
-    now = time.time()
     for name, days in ages.items():
         (folder / name).write_bytes(b"")
         os.utime(folder / name, (now - days * day, now - days * day))
-    native._prune(folder, keep=folder / "nanoserve_ops-new.so")  # just built: kept
+    native._prune(folder, keep=folder / "nanoserve_ops-new.so", now=now)  # just built: kept
     assert sorted(p.name for p in folder.iterdir()) == [
         "nanoserve_ops-new.so", "nanoserve_ops-recent.so", "notes.txt"]
     # Loading the library this suite uses marks it fresh, so no other build prunes it.
     lib = native._build(cache_root())
-    os.utime(lib, (now - 60 * day, now - 60 * day))
+    long_ago = 1_000_000.0  # 1970: older than any clock this runs under
+    os.utime(lib, (long_ago, long_ago))
     assert native._build(cache_root()) == lib
-    assert lib.stat().st_mtime > now - day
+    assert lib.stat().st_mtime > long_ago

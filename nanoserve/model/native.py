@@ -90,15 +90,15 @@ def _build(root: Path) -> Path:
         os.replace(tmp, lib)
     finally:
         Path(tmp).unlink(missing_ok=True)
-    _prune(folder, keep=lib)
+    _prune(folder, keep=lib, now=time.time())
     return lib
 
 
-def _prune(folder: Path, keep: Path, max_age_s: float = STALE_AFTER_S) -> None:
-    """Remove libraries no process has loaded for `max_age_s` (each load touches its
-    library): every edit of the sources or torch upgrade leaves one behind, and one still
-    loaded by another torch or another CPU sharing the cache stays fresh."""
-    cutoff = time.time() - max_age_s
+def _prune(folder: Path, keep: Path, now: float, max_age_s: float = STALE_AFTER_S) -> None:
+    """Remove libraries no process has loaded for `max_age_s` before `now` (each load
+    touches its library): every edit of the sources or torch upgrade leaves one behind, and
+    one still loaded by another torch or another CPU sharing the cache stays fresh."""
+    cutoff = now - max_age_s
     for old in folder.glob("nanoserve_ops-*.so"):
         with contextlib.suppress(OSError):  # gone already, or not ours to remove
             if old != keep and old.stat().st_mtime < cutoff:
