@@ -22,7 +22,8 @@ async def hypercorn_on_loopback(app: Any, **settings: Any) -> AsyncIterator[str]
     `settings` are Hypercorn Config attributes (graceful_timeout 5 s unless given; a test
     may set timeouts, access logs, ...)."""
     import hypercorn.config
-    import hypercorn.trio
+
+    from nanoserve.server import hypercorn_fixes
 
     config = hypercorn.config.Config()
     config.bind = ["127.0.0.1:0"]
@@ -33,7 +34,7 @@ async def hypercorn_on_loopback(app: Any, **settings: Any) -> AsyncIterator[str]
         setattr(config, key, value)
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
-        binds = await nursery.start(functools.partial(hypercorn.trio.serve, app, config,
+        binds = await nursery.start(functools.partial(hypercorn_fixes.serve, app, config,
                                                       shutdown_trigger=stop.wait))
         try:
             yield binds[0]

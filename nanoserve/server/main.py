@@ -30,12 +30,12 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 import hypercorn.config
-import hypercorn.trio
 import trio
 
 from nanoserve.clock import LiveClock
 from nanoserve.config import ConfigError, EngineConfig
 from nanoserve.engine import Engine
+from nanoserve.server import hypercorn_fixes
 from nanoserve.server.app import create_app, drain
 from nanoserve.server.recording import Recorder
 from nanoserve.server.state import ServerConfig
@@ -149,8 +149,8 @@ async def _serve(
     hc.errorlog = logging.getLogger("hypercorn.error")
 
     async def serve(task_status: trio.TaskStatus[list[str]]) -> None:
-        await hypercorn.trio.serve(app, hc, shutdown_trigger=stop_serving.wait,
-                                   task_status=task_status)
+        await hypercorn_fixes.serve(app, hc, shutdown_trigger=stop_serving.wait,
+                                    task_status=task_status)
         served.set()
 
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
