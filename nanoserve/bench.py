@@ -123,8 +123,8 @@ def _load(a: argparse.Namespace) -> tuple[Model, Tokenizer]:
 
 
 def run(a: argparse.Namespace) -> dict[str, float | int]:
-    model, tok = _load(a)
     cfg = EngineConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens)
+    model, tok = _load(a)
     llm = LLM.from_parts(model, tok, cfg)
     reqs = workload(a.seed, a.n, model.config.vocab_size, a.prompt_min, a.prompt_max,
                     a.out_min, a.out_max)

@@ -7,6 +7,7 @@ import logging
 import sys
 
 from nanoserve import bench
+from nanoserve.config import ConfigError
 
 
 def _generate(a: argparse.Namespace) -> int:
@@ -45,14 +46,17 @@ def main(argv: list[str] | None = None) -> int:
     fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
     level = getattr(a, "log_level", "info").upper()
     logging.basicConfig(level=getattr(logging, level), format=fmt)
-    if a.cmd == "generate":
-        return _generate(a)
-    if a.cmd == "bench":
-        bench.run(a)
-        return 0
-    if a.cmd == "serve":
+    try:
+        if a.cmd == "generate":
+            return _generate(a)
+        if a.cmd == "bench":
+            bench.run(a)
+            return 0
         return server_main.run(a)
-    return 2
+    except ConfigError as exc:
+        # A setting that can never work: one line naming the flags, as argparse's own errors.
+        print(f"nanoserve {a.cmd}: error: {exc.cli_text()}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,12 +1,39 @@
-"""Engine settings: everything that changes the schedule, validated in one place."""
+"""Engine settings: everything that changes the schedule, validated in one place.
+
+Some combinations can only be judged against a model (its context length, the bytes one KV
+block takes): `EngineConfig.layout` judges those, and needs only those two numbers, so
+`nanoserve serve` checks a configuration before it binds a socket or loads a weight
+(`nanoserve.model.kv_geometry` reads them from the model's metadata), and the engine checks
+it again, with the same words, from the loaded model.
+"""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 
 class ConfigError(ValueError):
-    """An engine setting that cannot work; the message names the setting."""
+    """An engine setting that cannot work; the message names the setting by its Python
+    name (num_blocks), as `LLM(...)` and `sim --engine key=value` spell it."""
+
+    def cli_text(self) -> str:
+        """The message with nanoserve's command-line flags for the settings it names
+        (`num_blocks` -> `--num-blocks`)."""
+        return _FLAGGED.sub(lambda m: "--" + m.group(1).replace("_", "-"), str(self))
+
+
+# The settings `nanoserve serve` (and some of them `nanoserve bench`) takes as flags.
+_FLAGGED = re.compile(r"\b(block_size|num_blocks|kv_cache_memory|max_num_seqs|"
+                      r"max_num_batched_tokens|max_model_len)\b")
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """What a configuration comes to on one model: the pool's blocks, the longest sequence."""
+
+    num_blocks: int
+    max_model_len: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,3 +63,30 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be an integer >= 1 or unset, got {value!r}")
         if self.kv_cache_memory < 1:
             raise ConfigError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+
+    def layout(self, context_len: int, kv_bytes_per_block: int) -> KVLayout:
+        """This configuration on a model of `context_len` tokens whose KV takes
+        `kv_bytes_per_block` bytes a block (0: the stub, which keeps none). Refuses, as vLLM
+        does, a pool that cannot hold one sequence of max_model_len: a server that admits a
+        request it can never finish is broken at start-up, not at the first long prompt."""
+        max_len = self.max_model_len or context_len
+        if max_len > context_len:
+            raise ConfigError(f"max_model_len {max_len} exceeds the model's context of "
+                              f"{context_len} tokens: lower max_model_len")
+        bs = self.block_size
+        if self.num_blocks is not None:
+            num_blocks, pool = self.num_blocks, f"num_blocks {self.num_blocks}"
+        elif kv_bytes_per_block > 0:
+            num_blocks = self.kv_cache_memory // kv_bytes_per_block
+            pool = (f"kv_cache_memory {self.kv_cache_memory} B / {kv_bytes_per_block} B a "
+                    f"block = {num_blocks} blocks")
+        else:
+            num_blocks, pool = self.stub_num_blocks, f"the stub's {self.stub_num_blocks} blocks"
+        if num_blocks * bs < max_len:
+            whose = "" if self.max_model_len else " (the model's context)"
+            raise ConfigError(
+                f"the KV pool ({pool} x block_size {bs} = {num_blocks * bs} tokens) cannot hold "
+                f"one sequence of max_model_len {max_len}{whose}: raise num_blocks or "
+                f"kv_cache_memory, or lower max_model_len"
+            )
+        return KVLayout(num_blocks, max_len)

@@ -20,7 +20,7 @@ from nanoserve.batch import (
     prompt_logprobs_update,
     score_prompt,
 )
-from nanoserve.config import ConfigError, EngineConfig
+from nanoserve.config import EngineConfig
 from nanoserve.detokenizer import IncrementalDetokenizer
 from nanoserve.kv import BlockPool, KVManager
 from nanoserve.model.base import ForwardBatch, Model
@@ -84,28 +84,11 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
-        ctx = model.config.max_position_embeddings
-        self.max_model_len = config.max_model_len or ctx
-        if self.max_model_len > ctx:
-            raise ConfigError(
-                f"max_model_len {self.max_model_len} exceeds the model's context {ctx}"
-            )
         bs = config.block_size
-        per_block = model.kv_bytes_per_block(bs)
-        if config.num_blocks is not None:
-            num_blocks = config.num_blocks
-        elif per_block > 0:
-            num_blocks = config.kv_cache_memory // per_block
-        else:
-            num_blocks = config.stub_num_blocks
-        if num_blocks * bs < self.max_model_len:
-            # As vLLM does: a server that could admit a request it can never finish is
-            # broken at start-up, not at the first long prompt.
-            raise ConfigError(
-                f"the KV pool ({num_blocks} blocks of {bs} = {num_blocks * bs} tokens) cannot "
-                f"hold one sequence of max_model_len {self.max_model_len}: raise num_blocks "
-                f"or kv_cache_memory, or lower max_model_len"
-            )
+        layout = config.layout(model.config.max_position_embeddings,
+                               model.kv_bytes_per_block(bs))
+        self.max_model_len = layout.max_model_len
+        num_blocks = layout.num_blocks
         model.init_kv_cache(num_blocks, bs)
         self.pool = BlockPool(num_blocks, bs, prefix_caching=config.prefix_caching)
         self.kv = KVManager(self.pool)

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from nanoserve.config import ConfigError
 from nanoserve.model.loader import resolve_model
 from nanoserve.tokenizer import Tokenizer
 from sim import bench_cli, capacity_cli, load_spec, replay_cli, soak
@@ -47,10 +48,14 @@ def main(argv: list[str] | None = None) -> int:
         p.print_help()
         return 0
     if hasattr(a, "main"):  # a subcommand that reports and picks its exit status itself
-        return int(a.main(a))
+        try:
+            return int(a.main(a))
+        except ConfigError as exc:  # engine settings that can never work: one line
+            print(f"sim {a.cmd}: {exc}", file=sys.stderr)
+            return 2
     try:
         count = a.run(a)
-    except (ValueError, OSError) as exc:  # TraceError, ConvertError, SpecError, a bad path
+    except (ValueError, OSError) as exc:  # TraceError, ConfigError, SpecError, a bad path
         print(f"sim {a.cmd}: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {count} requests to {a.out}")

@@ -34,6 +34,10 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
 
+    def kv_bytes_per_token(self, elem_size: int) -> int:
+        """KV-cache bytes one token takes: K and V, every layer, every KV head."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * elem_size
+
 
 @dataclass(slots=True)
 class ForwardBatch:

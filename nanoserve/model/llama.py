@@ -128,9 +128,8 @@ class LlamaModel:
     # ---- KV cache -------------------------------------------------------------------------
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        c = self.config
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return c.num_layers * 2 * block_size * c.num_kv_heads * c.head_dim * elem
+        return block_size * self.config.kv_bytes_per_token(elem)
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         c = self.config

@@ -260,13 +260,40 @@ def _write_tokenizer(gguf_path: Path, out: Path, *, context_length: int) -> None
 
 def load_model_config(folder: Path) -> ModelConfig:
     cfg: dict[str, Any] = json.loads((Path(folder) / "config.json").read_text())
+    return _model_config(cfg, str(folder))
+
+
+def peek_config(name_or_path: str) -> ModelConfig:
+    """The model's shape without its weights: a folder's config.json, or a GGUF file's own
+    metadata, read in place (no conversion), so a configuration can be checked before
+    anything slow happens."""
+    if name_or_path == EMBEDDED_NAME:
+        gguf_path = embedded_gguf_path()
+    else:
+        path = Path(name_or_path).expanduser()
+        if not (path.is_file() and path.suffix == ".gguf"):
+            return load_model_config(resolve_model(name_or_path))
+        gguf_path = path
+    from gguf import GGUFReader
+
+    reader = GGUFReader(gguf_path)
+    if _field(reader, "general.architecture") != "llama":
+        raise ValueError(f"{gguf_path}: only llama GGUF files are supported")
+    shapes = {t.name: [int(d) for d in t.shape] for t in reader.tensors}
+    hidden, vocab = shapes["token_embd.weight"]  # GGUF lists dimensions innermost first
+    cfg = _hf_config(reader, vocab_size=vocab, hidden_size=hidden,
+                     tied="output.weight" not in shapes)
+    return _model_config(cfg, str(gguf_path))
+
+
+def _model_config(cfg: dict[str, Any], where: str) -> ModelConfig:
     if cfg.get("model_type", "llama") != "llama":
-        raise ValueError(f"{folder}: only llama models are supported, got {cfg['model_type']!r}")
+        raise ValueError(f"{where}: only llama models are supported, got {cfg['model_type']!r}")
     # transformers 5 writes `rope_parameters`, older versions `rope_theta` + `rope_scaling`.
     rope = cfg.get("rope_parameters") or {}
     for scaling in (cfg.get("rope_scaling") or {}, rope):
         if scaling.get("rope_type", scaling.get("type", "default")) != "default":
-            raise ValueError(f"{folder}: RoPE scaling {scaling} is not supported")
+            raise ValueError(f"{where}: RoPE scaling {scaling} is not supported")
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     eos = cfg.get("eos_token_id")
     eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)

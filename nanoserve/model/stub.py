@@ -33,6 +33,7 @@ _NUM_CANDIDATES = 6
 # the masks do); below, the per-row Python loop is cheaper than the array set-up.
 _VECTOR_ROWS = 8
 _TAIL = 4  # history tokens the hash reads
+STUB_CONTEXT = 8192  # the stub's context length, as SmolLM2's
 
 
 def _mix(x: int) -> int:
@@ -57,7 +58,7 @@ class StubModel:
         tokenizer: Tokenizer,
         *,
         eos_prob: float = 0.0,
-        max_position_embeddings: int = 8192,
+        max_position_embeddings: int = STUB_CONTEXT,
         device: str = "cpu",
     ) -> None:
         if not 0.0 <= eos_prob <= 1.0:

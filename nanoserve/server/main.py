@@ -35,6 +35,7 @@ import trio
 from nanoserve.clock import LiveClock
 from nanoserve.config import ConfigError, EngineConfig
 from nanoserve.engine import Engine
+from nanoserve.model import kv_geometry
 from nanoserve.server import hypercorn_fixes
 from nanoserve.server.app import create_app, drain
 from nanoserve.server.recording import Recorder
@@ -113,13 +114,21 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
 
 
 def run(a: argparse.Namespace) -> int:
-    try:
-        cfg = engine_config(a)
-        recorder = _recorder(a)
-    except ConfigError as exc:
-        log.error("%s", exc)
-        return 2
+    """Serve until a signal. A configuration that can never work raises ConfigError here,
+    before the socket is bound (the command line prints it as one line and exits 2)."""
+    cfg = engine_config(a)
+    check_fits(a, cfg)
+    recorder = _recorder(a)
     return trio.run(_serve, a, cfg, server_config(a), recorder)
+
+
+def check_fits(a: argparse.Namespace, cfg: EngineConfig) -> None:
+    """Judge `cfg` against the model's metadata (its weights are loaded after the bind)."""
+    try:
+        context_len, per_token = kv_geometry(a.model, a.dtype)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--model {a.model}: {exc}") from None
+    cfg.layout(context_len, per_token * cfg.block_size)
 
 
 async def _serve(
