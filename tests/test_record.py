@@ -330,7 +330,7 @@ async def test_a_slow_reader_is_recorded_frame_by_step(tmp_path: Path) -> None:
         taken.append(msg)
 
     body = json.dumps({"model": "stub", "prompt": "The quick", "max_tokens": 6, "seed": 2,
-                       "stream": True}).encode()
+                       "temperature": 0.0, "stream": True}).encode()
     messages = [{"type": "http.request", "body": body, "more_body": False}]
 
     async def receive() -> dict[str, Any]:

@@ -6,8 +6,12 @@ runners-up. To emit what a real model emits, multi-byte fragments included, the 
 usually continues a bigram table built from a small built-in text (English, CJK, emoji with
 ZWJ sequences and skin tones) tokenized with the real tokenizer, so a three-token emoji
 comes out as its three tokens in order. With probability `eos_prob` per token the top token
-is EOS, so finish=stop paths run. Everything else is -10: sampling at temperature 1 stays
-almost always on the handful of candidates, like a trained model's peaked distribution.
+is EOS, so finish=stop paths run. Everything else is -10, so sampling stays on the handful
+of candidates, but among them it spreads as a trained model's does: SmolLM2 at temperature 1
+gives its top token 45% of the mass on average and draws another token 55% of the time
+(768 draws over eight prompts); the candidates' logits below give the top one 48% and
+another draw 52%. (They were once 10, 6, 5, 4, 3, 2: 97% on the top token, so sampled
+completions that share a history, the n siblings of one request, almost never parted.)
 """
 
 from __future__ import annotations
@@ -94,7 +98,7 @@ class StubModel:
         for a, b in self._next.items():
             self._next_array[a] = b
         self._eos_cut = int(eos_prob * (1 << 32))
-        self._values = torch.tensor([10.0, 6.0, 5.0, 4.0, 3.0, 2.0])[:_NUM_CANDIDATES]
+        self._values = torch.tensor([10.0, 9.25, 8.75, 8.25, 7.75, 7.25])[:_NUM_CANDIDATES]
 
     # The stub keeps no KV: these exist so it satisfies the Model protocol.
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
