@@ -89,6 +89,9 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("stream not a bool", "/v1/completions", {**GOOD, "stream": "yes"}, 400, "stream"),
     ("stream_options without stream", "/v1/completions",
      {**GOOD, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("continuous_usage_stats not a bool", "/v1/completions",
+     {**GOOD, "stream": True, "stream_options": {"continuous_usage_stats": 1}}, 400,
+     "stream_options"),
     ("echo with logprobs out of range", "/v1/completions",
      {**GOOD, "echo": True, "logprobs": 21}, 400, "logprobs"),
     ("unknown model", "/v1/completions", {**GOOD, "model": "gpt-9"}, 404, "model"),
@@ -327,3 +330,37 @@ async def test_failed_load_is_reported_and_fatal() -> None:
         err = assert_error(await h.request("GET", "/health"), 503, None)
         assert err["code"] == "model_load_failed"
         assert "no weights here" in err["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_continuous_usage_stats_puts_usage_on_every_chunk(path: str) -> None:
+    """vLLM's `stream_options.continuous_usage_stats` (GuideLLM sends it): with
+    include_usage, every chunk carries its choice's prompt tokens and the tokens generated
+    so far, and the usage chunk still ends the stream; without include_usage, nothing."""
+    base = GOOD if path == "/v1/completions" else CHAT
+    body = {**base, "max_tokens": 6, "n": 2, "temperature": 1.0, "seed": 3,
+            "ignore_eos": True, "stream": True}
+    async with serving(make_app()) as h:
+        on = {"include_usage": True, "continuous_usage_stats": True}
+        events = (await h.post(path, {**body, "stream_options": on})).events()
+        unary = (await h.post(path, {**body, "stream": False})).json()
+        alone = (await h.post(path, {**body, "stream_options": {
+            "continuous_usage_stats": True}})).events()
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert events[-1] == "[DONE]"
+    *per_token, last = chunks
+    prompt = unary["usage"]["prompt_tokens"]
+    counts = {0: 0, 1: 0}
+    for c in per_token:
+        (choice,) = c["choices"]
+        u, i = c["usage"], choice["index"]
+        # A chunk per token, except tokens whose text is held back (part of a character).
+        assert u["completion_tokens"] > counts[i]
+        counts[i] = u["completion_tokens"]
+        assert u == {"prompt_tokens": prompt, "completion_tokens": counts[i],
+                     "total_tokens": prompt + counts[i]}
+        assert (choice["finish_reason"] is not None) == (counts[i] == 6)
+    assert counts == {0: 6, 1: 6}
+    assert last["choices"] == [] and last["usage"] == unary["usage"]
+    assert unary["usage"]["completion_tokens"] == 12
+    assert all("usage" not in json.loads(e) for e in alone[:-1])  # as vLLM: needs include_usage

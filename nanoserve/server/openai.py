@@ -60,7 +60,7 @@ async def _generate(
                     r.tokens, req.params.logprobs is not None)
     return await respond(
         r.registry, current_app.nursery, prepared, shapes, prefixes,  # type: ignore[attr-defined]
-        stream=req.stream, include_usage=req.include_usage, headers={"X-Request-Id": core},
+        stream=req.stream, usage=req.usage, headers={"X-Request-Id": core},
     )
 
 

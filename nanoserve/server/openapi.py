@@ -83,7 +83,11 @@ def _sampling(vocab: int | None, max_len: int | None) -> dict[str, Schema]:
                             "description": "token id (a decimal string) -> bias"}),
         "stream": _opt({"type": "boolean"}),
         "stream_options": _opt({"type": "object", "description": "only with stream: true",
-                                "properties": {"include_usage": {"type": "boolean"}}}),
+                                "properties": {"include_usage": _opt({"type": "boolean"}),
+                                               "continuous_usage_stats": _opt(
+                                                   {"type": "boolean", "description":
+                                                    "with include_usage: usage on every "
+                                                    "chunk (vLLM's)"})}}),
     }
 
 

@@ -40,8 +40,17 @@ class GenerateRequest:
     prompts: tuple[Prompt, ...]
     params: SamplingParams
     stream: bool
-    include_usage: bool
+    usage: StreamUsage
     echo: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class StreamUsage:
+    """`stream_options`: a usage chunk at the end (`include_usage`), and, as vLLM sends it
+    with `continuous_usage_stats` as well, usage so far on every chunk (GuideLLM asks)."""
+
+    at_end: bool = False
+    every_chunk: bool = False
 
 
 def loads(raw: bytes) -> dict[str, Any]:
@@ -216,20 +225,25 @@ def _messages(value: object) -> list[dict[str, Any]]:
     return out
 
 
-def _stream(body: Mapping[str, Any]) -> tuple[bool, bool]:
+def _stream(body: Mapping[str, Any]) -> tuple[bool, StreamUsage]:
     stream = opt_bool(body, "stream", False)
     opts = body.get("stream_options")
     if opts is None:
-        return stream, False
+        return stream, StreamUsage()
     if not stream:
         raise bad_request("stream_options", "stream_options is only allowed when stream is true")
     if not isinstance(opts, dict):
         raise bad_request("stream_options", f"stream_options must be an object, got {opts!r}")
-    usage = opts.get("include_usage", False)
-    if not isinstance(usage, bool):
-        raise bad_request("stream_options", f"stream_options.include_usage must be true or "
-                          f"false, got {usage!r}")
-    return stream, usage
+    flags = []
+    for name in ("include_usage", "continuous_usage_stats"):
+        value = opts.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise bad_request("stream_options", f"stream_options.{name} must be true or false, "
+                              f"got {value!r}")
+        flags.append(bool(value))
+    at_end, continuous = flags
+    # As vLLM: continuous_usage_stats adds to include_usage and means nothing without it.
+    return stream, StreamUsage(at_end, at_end and continuous)
 
 
 def _sampling_fields(body: Mapping[str, Any]) -> dict[str, Any]:

@@ -26,7 +26,9 @@ from nanoserve.engine import Prepared
 from nanoserve.server import recording
 from nanoserve.server.errors import ApiError
 from nanoserve.server.jobs import Ended, Item, Job, Registry
-from nanoserve.server.render import Choice, Json, Shapes, usage
+from nanoserve.server.parse import StreamUsage
+from nanoserve.server.render import Choice, Json, Shapes
+from nanoserve.server.render import usage as usage_of
 
 DONE = b"data: [DONE]\n\n"
 
@@ -66,7 +68,7 @@ async def respond(
     prefixes: Sequence[str],
     *,
     stream: bool,
-    include_usage: bool,
+    usage: StreamUsage,
     headers: dict[str, str],
 ) -> Response:
     job = registry.open(shapes.id, prepared, nursery)
@@ -84,7 +86,7 @@ async def respond(
         for i in range(len(prepared) * job.n)
     ]
     if stream:
-        body = SseBody(job, _sse(job, shapes, choices, first, include_usage))
+        body = SseBody(job, _sse(job, shapes, choices, first, usage))
         resp: Response = current_app.response_class(
             body, status=200, content_type="text/event-stream",
             headers={**headers, "Cache-Control": "no-cache"},
@@ -131,12 +133,13 @@ async def _collect(job: Job, shapes: Shapes, choices: list[Choice], item: Item) 
         k, u = item
         choices[k * job.n + u.index].add(u)
         if job.done:
-            return shapes.response(choices, usage(job.num_prompt_tokens, job.num_output_tokens))
+            return shapes.response(choices, usage_of(job.num_prompt_tokens,
+                                                     job.num_output_tokens))
         item = await job.next()
 
 
 async def _sse(
-    job: Job, shapes: Shapes, choices: list[Choice], item: Item, include_usage: bool
+    job: Job, shapes: Shapes, choices: list[Choice], item: Item, usage: StreamUsage
 ) -> AsyncGenerator[bytes, None]:
     # `finally` runs on every way out: the end, a hang-up while waiting (trio.Cancelled) or
     # while paused at a yield (GeneratorExit via aclose); `job.close` is synchronous.
@@ -151,12 +154,14 @@ async def _sse(
             c = choices[k * job.n + u.index]
             if c.add(u):
                 chunk = shapes.chunk(c, u.text)
-                if include_usage:
+                if usage.every_chunk:  # vLLM's: this choice's prompt and its tokens so far
+                    chunk["usage"] = usage_of(len(c.prompt_ids), len(c.token_ids))
+                elif usage.at_end:
                     chunk["usage"] = None  # as OpenAI: present, null, until the last chunk
                 yield frame(chunk)
             if job.done:
-                if include_usage:
-                    total = usage(job.num_prompt_tokens, job.num_output_tokens)
+                if usage.at_end:
+                    total = usage_of(job.num_prompt_tokens, job.num_output_tokens)
                     yield frame(shapes.usage_chunk(total))
                 break
             item = await job.next()
