@@ -7,11 +7,11 @@ once rather than the first; `sim.soak` runs them in order and collects the lines
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections import Counter
 from typing import Any
 
 import trio
+from prometheus_client.parser import text_string_to_metric_families
 
 from nanoserve.server import server_state
 from nanoserve.server.jobs import Registry
@@ -72,11 +72,12 @@ async def idle_problems(url: str, app: Any) -> list[str]:
 async def metric_aborts(url: str) -> int:
     """`request_success_total{finished_reason="abort"}` from /metrics: completions."""
     text = (await request(url, "GET", "/metrics")).body.decode()
-    m = re.search(r'^nanoserve:request_success_total\{[^}]*finished_reason="abort"[^}]*\} '
-                  r"(\d+)$", text, re.M)
-    if m is None:
-        raise ValueError("/metrics has no request_success_total for abort")
-    return int(m.group(1))
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if (s.name == "nanoserve:request_success_total"
+                    and s.labels.get("finished_reason") == "abort"):
+                return int(s.value)
+    raise ValueError("/metrics has no request_success_total for abort")
 
 
 def count_problems(before: BridgeStats, after: BridgeStats, metric_aborts: int,

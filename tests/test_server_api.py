@@ -6,6 +6,7 @@ models, health while loading) behave as documented."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import threading
 from typing import Any
@@ -14,11 +15,14 @@ import pytest
 import trio
 import trio.testing
 from http_harness import AsgiHarness, serving, stub_parts
+from prometheus_client.openmetrics import parser as openmetrics_parser
+from prometheus_client.parser import text_string_to_metric_families
 
 from nanoserve.clock import GateClock, StepClock
 from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.server import ServerConfig, counter_ids, create_app, server_state
+from nanoserve.server.metrics import TTFT_BUCKETS
 
 CREATED = 1_700_000_000
 GOOD = {"model": "stub", "prompt": "def step(self):", "max_tokens": 4, "temperature": 0.0}
@@ -234,33 +238,49 @@ async def test_queue_limit_answers_429_with_retry_after() -> None:
         assert gate.steps_run == 8
 
 
+VLLM_FAMILIES = {  # vLLM's metric names (vllm/v1/metrics/loggers.py), with our prefix
+    "num_requests_running": "gauge", "num_requests_waiting": "gauge",
+    "kv_cache_usage_perc": "gauge", "prefix_cache_queries": "counter",
+    "prefix_cache_hits": "counter", "num_preemptions": "counter", "prompt_tokens": "counter",
+    "generation_tokens": "counter", "request_success": "counter",
+    "time_to_first_token_seconds": "histogram", "inter_token_latency_seconds": "histogram",
+    "e2e_request_latency_seconds": "histogram", "request_queue_time_seconds": "histogram",
+}  # fmt: skip
+
+
 async def test_metrics_exposition() -> None:
+    """/metrics parses with prometheus_client's own parser, in both formats a Prometheus
+    server may ask for, with vLLM's names, types and buckets."""
     async with serving(make_app()) as h:
         for n in (3, 5):
             assert (await h.post("/v1/completions", {**GOOD, "max_tokens": n})).status == 200
         text = (await h.request("GET", "/metrics")).body.decode()
-    samples = {}
-    for line in text.splitlines():
-        if line.startswith("#"):
-            assert re.fullmatch(r"# (HELP|TYPE) nanoserve:\w+ .+", line), line
-            continue
-        m = re.fullmatch(r'(nanoserve:\w+)(\{[^}]*\})? (\S+)', line)
-        assert m, line
-        samples[m.group(1) + (m.group(2) or "")] = float(m.group(3))
-    lbl = '{model_name="stub"}'
-    assert samples[f"nanoserve:generation_tokens_total{lbl}"] == 8
-    assert samples[f"nanoserve:prompt_tokens_total{lbl}"] == 2 * 5  # "def step(self):"
-    success = 'nanoserve:request_success_total{model_name="stub",finished_reason="length"}'
-    assert samples[success] == 2
-    for h_name in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
-                   "request_queue_time_seconds"):
-        assert samples[f"nanoserve:{h_name}_count{lbl}"] == 2
-        assert samples[f'nanoserve:{h_name}_bucket{{model_name="stub",le="+Inf"}}'] == 2
-    assert samples[f"nanoserve:inter_token_latency_seconds_count{lbl}"] == 2 + 4
-    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
-                  "prefix_cache_queries_total", "prefix_cache_hits_total",
-                  "num_preemptions_total"):
-        assert f"nanoserve:{gauge}{lbl}" in samples
+        om = await h.request("GET", "/metrics", headers={
+            "Accept": "application/openmetrics-text; version=1.0.0"})
+    assert om.headers["content-type"].startswith("application/openmetrics-text")
+    assert om.body.decode().endswith("# EOF\n")
+    for families in (text_string_to_metric_families(text),
+                     openmetrics_parser.text_string_to_metric_families(om.body.decode())):
+        ours = {f.name.removeprefix("nanoserve:"): f for f in families
+                if f.name.startswith("nanoserve:")}
+        assert {k: f.type for k, f in ours.items()} == VLLM_FAMILIES
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for f in ours.values() for s in f.samples}
+        lbl = (("model_name", "stub"),)
+        assert samples[("nanoserve:generation_tokens_total", lbl)] == 8
+        assert samples[("nanoserve:prompt_tokens_total", lbl)] == 2 * 5  # "def step(self):"
+        assert samples[("nanoserve:request_success_total",
+                        (("finished_reason", "length"), ("model_name", "stub")))] == 2
+        for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
+                     "request_queue_time_seconds"):
+            assert samples[(f"nanoserve:{name}_count", lbl)] == 2
+            assert samples[(f"nanoserve:{name}_bucket", (("le", "+Inf"), *lbl))] == 2
+        assert samples[("nanoserve:inter_token_latency_seconds_count", lbl)] == 2 + 4
+        ttft_bounds = [s.labels["le"] for s in ours["time_to_first_token_seconds"].samples
+                       if s.name.endswith("_bucket")]
+        assert [float(b) for b in ttft_bounds] == [*TTFT_BUCKETS, math.inf]
+    names = {f.name for f in text_string_to_metric_families(text)}
+    assert "process_resident_memory_bytes" in names  # the process collector, as vLLM's
 
 
 async def test_tokenize_detokenize_and_models_agree_with_usage() -> None:
@@ -361,6 +381,7 @@ async def test_continuous_usage_stats_puts_usage_on_every_chunk(path: str) -> No
                      "total_tokens": prompt + counts[i]}
         assert (choice["finish_reason"] is not None) == (counts[i] == 6)
     assert counts == {0: 6, 1: 6}
-    assert last["choices"] == [] and last["usage"] == unary["usage"]
+    assert last["choices"] == []
+    assert last["usage"] == unary["usage"]
     assert unary["usage"]["completion_tokens"] == 12
     assert all("usage" not in json.loads(e) for e in alone[:-1])  # as vLLM: needs include_usage

@@ -8,7 +8,7 @@ the bridge's loop has died, so a balancer stops sending traffic in each of those
 
 from __future__ import annotations
 
-from quart import Quart, Response
+from quart import Quart, Response, request
 
 from nanoserve.server import parse
 from nanoserve.server.errors import ApiError, bad_request
@@ -39,12 +39,8 @@ def register(app: Quart) -> None:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        st = current_state()
-        stats = st.ready.bridge.statistics() if st.ready else None
-        text = st.metrics.render(stats)
-        resp: Response = app.response_class(
-            text, status=200, content_type="text/plain; version=0.0.4; charset=utf-8"
-        )
+        body, content_type = current_state().metrics.render(request.headers.get("Accept"))
+        resp: Response = app.response_class(body, status=200, content_type=content_type)
         return resp
 
     @app.post("/tokenize")

@@ -37,7 +37,7 @@ from nanoserve.server.recording import Recorder
 from nanoserve.server.render import TokenText
 from nanoserve.server.respond import SseBody, json_response
 from nanoserve.server.state import Ready, ServerConfig, ServerState, counter_ids, current_state
-from nanoserve.serving import AsyncEngine
+from nanoserve.serving import AsyncEngine, BridgeStats
 
 log = logging.getLogger("nanoserve.server")
 
@@ -67,8 +67,11 @@ def create_app(
         BODY_TIMEOUT=config.body_timeout,
         MAX_CONTENT_LENGTH=config.max_body_bytes,
     )
-    st = ServerState(config, Metrics(config.served_model_name), id_source or counter_ids(),
-                     time_source, recorder=recorder)
+    def bridge_stats() -> BridgeStats | None:  # for /metrics, read at each scrape
+        return st.ready.bridge.statistics() if st.ready else None
+
+    st = ServerState(config, Metrics(config.served_model_name, bridge_stats),
+                     id_source or counter_ids(), time_source, recorder=recorder)
     app.extensions["nanoserve"] = st
 
     # The engine task has its own cancel scope: on shutdown it is cancelled (which closes
