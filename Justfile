@@ -11,8 +11,8 @@ setup:
 serve *args: setup
     {{py}} -m nanoserve.cli serve {{args}}
 
-# The whole test suite.
-test *args: setup
+# The whole test suite (it builds GuideLLM's interpreter first, for tests/test_guidellm.py).
+test *args: setup guidellm-setup
     {{py}} -m pytest -q -p no:cacheprovider {{args}}
 
 # ruff and mypy, both clean.
@@ -55,3 +55,15 @@ peer-setup: setup
 # socket; prints the figures and exits 1 if a block leaked, a count is off or a twin differs.
 soak *args: setup
     {{py}} -m sim.cli soak {{args}}
+
+# GuideLLM (vLLM's benchmark tool) in its own interpreter: nanoserve's packages, torch pin
+# included, through a .pth file, plus GuideLLM's own (kept apart, inside .venv/).
+guidellm-setup: setup
+    [ -x .venv/guidellm/bin/python ] || .venv/bin/python -m venv .venv/guidellm
+    .venv/bin/python -c 'import site; print(site.getsitepackages()[0])' > "$(.venv/guidellm/bin/python -c 'import site; print(site.getsitepackages()[0])')/nanoserve-venv.pth"
+    [ -x .venv/guidellm/bin/guidellm ] || .venv/guidellm/bin/python -m pip install -q --disable-pip-version-check guidellm==0.8.1
+
+# GuideLLM against `nanoserve serve` (SmolLM2) at 1 and 16 concurrent streams, 128-token
+# prompts and 64 output tokens: its TTFT, ITL and throughput (flags: --model, --streams, ...).
+bench-guidellm *args: guidellm-setup
+    {{py}} -m sim.bench_guidellm {{args}}
