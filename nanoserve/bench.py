@@ -64,6 +64,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="print where the run's CPU time goes, by operator (slows the run)")
     p.add_argument("--single-tokens", type=int, default=64,
                    help="output tokens of the batch-1 decode measurement (0 skips it)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (shown on a terminal)")
 
 
 def _best_of(fn: Callable[[], object], times: int) -> float:
@@ -133,7 +134,7 @@ def run(a: argparse.Namespace) -> dict[str, float | int]:
     with contextlib.ExitStack() as stack:
         prof = stack.enter_context(torch.profiler.profile()) if a.profile else None
         t0 = time.perf_counter()
-        outs = llm.generate([p for p, _ in reqs], params)
+        outs = llm.generate([p for p, _ in reqs], params, use_tqdm=not a.quiet)
         seconds = time.perf_counter() - t0
     peak = max(peak_before, mm_flops())
     if prof is not None:

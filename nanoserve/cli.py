@@ -19,7 +19,7 @@ def _generate(a: argparse.Namespace) -> int:
     prompt = a.prompt
     if a.chat:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": a.prompt}])
-    out = llm.generate(prompt, params)[0]
+    out = llm.generate(prompt, params, use_tqdm=False)[0]  # one prompt: no bar
     print(out.text)
     print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]", file=sys.stderr)
     return 0

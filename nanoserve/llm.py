@@ -9,6 +9,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.model import Model, load
 from nanoserve.outputs import OutputBuilder, RequestOutput
+from nanoserve.progress import bar
 from nanoserve.sampling import SamplingParams
 from nanoserve.tokenizer import Tokenizer
 
@@ -42,8 +43,11 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion in one continuous batch; results in prompt order."""
+        """Run every prompt to completion in one continuous batch; results in prompt order.
+        `use_tqdm`: a progress bar over the prompts, on a terminal (as vLLM's)."""
         plist: list[Prompt]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             plist = [prompts]  # type: ignore[list-item]
@@ -59,9 +63,17 @@ class LLM:
         for prep in prepared:
             rid = self.engine.admit(prep)
             builders[rid] = OutputBuilder(rid, prep.prompt_ids, prep.params.n)
+        shown = bar(len(builders), "Processed prompts", enabled=use_tqdm, unit="prompt")
+        tokens = 0
         while self.engine.has_unfinished():
             for u in self.engine.step().updates:
-                builders[u.request_id].add(u)
+                b = builders[u.request_id]
+                b.add(u)
+                tokens += len(u.new_token_ids)
+                if u.finished and b.finished:
+                    shown.update(1)
+                    shown.set_postfix_str(f"{tokens} output tokens", refresh=False)
+        shown.close()
         return [b.build() for b in builders.values()]
 
     def chat(

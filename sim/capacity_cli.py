@@ -19,6 +19,7 @@ from typing import Any
 
 from nanoserve.config import EngineConfig
 from nanoserve.model.loader import resolve_model
+from nanoserve.progress import LabelledProgress
 from nanoserve.tokenizer import Tokenizer
 from sim.capacity import Plan, Planner, default_num_blocks
 from sim.capacity_load import Workload, spec_workload, trace_workload
@@ -82,7 +83,7 @@ def _add_capacity(sub: Any) -> None:
                    "PREFIX.timeline.png [capacity]")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--tokenizer", default="smollm2", metavar="MODEL")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (shown on a terminal)")
     p.set_defaults(main=guarded(run_capacity))
 
 
@@ -116,24 +117,6 @@ def engine_config(pairs: list[str]) -> EngineConfig:
     return EngineConfig(**kw)
 
 
-class _Bar:
-    """A one-line stderr progress bar."""
-
-    def __init__(self) -> None:
-        self.last = ""
-
-    def __call__(self, label: str, done: int, total: int) -> None:
-        width = 30
-        fill = width * done // max(total, 1)
-        line = f"\r[{'#' * fill}{'.' * (width - fill)}] {done}/{total} {label}"
-        sys.stderr.write(line.ljust(len(self.last)))
-        sys.stderr.flush()
-        self.last = line
-        if done == total:
-            sys.stderr.write("\n")
-            self.last = ""
-
-
 def run_capacity(a: argparse.Namespace) -> int:
     if (a.trace is None) == (a.load is None):
         raise ValueError("give a TRACE or --load SPEC (one of them)")
@@ -152,7 +135,8 @@ def run_capacity(a: argparse.Namespace) -> int:
         seeds = [0]
         workloads = [trace_workload(a.trace, tok)]
     report = plan_capacity(workloads, seeds, cost, plan, tok, sweeps, a.search_start,
-                           progress=None if a.quiet else _Bar(), plots=not a.no_plots,
+                           progress=LabelledProgress(enabled=not a.quiet,
+                                                            unit="request"), plots=not a.no_plots,
                            out=Path(a.out))
     print(table(report))
     print(f"wrote {a.out}.json, {a.out}.csv" + ("" if a.no_plots else

@@ -27,9 +27,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tqdm import tqdm
+
 from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine, StepResult
 from nanoserve.model.base import Model
+from nanoserve.progress import bar
 from nanoserve.sampling import SamplingParams
 from nanoserve.tokenizer import Tokenizer
 from sim.cost import FEATURES, CostModel, fit_coefficients, relative_errors, step_features
@@ -58,7 +61,8 @@ class Measured:
 def measure_grid(model: Model, tokenizer: Tokenizer, grid: Mapping[str, Sequence[int]], *,
                  reps: int = 5, warmup: int = 2, block_size: int = 16,
                  timer: Callable[[], float] = time.perf_counter,
-                 log: Callable[[str], None] | None = None) -> list[Measured]:
+                 log: Callable[[str], None] | None = None,
+                 progress: bool = False) -> list[Measured]:
     rng = random.Random(0)
     vocab = model.config.vocab_size
 
@@ -91,8 +95,10 @@ def measure_grid(model: Model, tokenizer: Tokenizer, grid: Mapping[str, Sequence
     # host's speed drifts by several percent over minutes, and measuring a cell's reps
     # back to back would hand that drift to the cell (measured: whole cells 8% off the fit,
     # in one direction) where interleaving spreads it over all of them as noise.
+    shown = bar(reps * len(cells), "sim profile", enabled=progress, unit="cell")
     for rep in range(reps):
         for d, c in cells:
+            shown.update(1)
             eng = engines[d, c]
             eng.step()  # back on this engine: one untimed step, as a server's last one
             for p in (p for p in grid["prefill"] if d or p):
@@ -103,6 +109,7 @@ def measure_grid(model: Model, tokenizer: Tokenizer, grid: Mapping[str, Sequence
                 samples.setdefault((d, c, p), []).append((timer() - t0, res))
         if log is not None:
             log(f"rep {rep + 1}/{reps} of {len(samples)} grid points done")
+    shown.close()
     out: list[Measured] = []
     for (d, c, p), got in samples.items():
         sec, res = sorted(got, key=lambda s: s[0])[len(got) // 2]
@@ -189,6 +196,7 @@ def add_parser(sub: Any) -> None:
                    "--threads 1: the step's cost on an idle machine, immune to other "
                    "processes sharing the cores) [wall]")
     p.add_argument("--name", help="the cost model's name [the output file's name]")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (shown on a terminal)")
     from sim.capacity_cli import guarded
 
     p.set_defaults(main=guarded(run_profile))
@@ -205,8 +213,9 @@ def run_profile(a: argparse.Namespace) -> int:
     if a.clock == "cpu" and torch_threads() != 1:
         raise ValueError("--clock cpu needs --threads 1: other threads' work is not counted")
     timer = time.thread_time if a.clock == "cpu" else time.perf_counter
+    # tqdm.write: the log lines go above the progress bar, not through it.
     points = measure_grid(model, tok, grid, reps=a.reps, timer=timer,
-                          log=lambda s: print(s, file=sys.stderr, flush=True))
+                          log=lambda s: tqdm.write(s, file=sys.stderr), progress=not a.quiet)
     bs = 16
     cost = fit_profile(points, name=a.name or Path(a.out).name, model=a.model,
                        machine={**machine_info(), "clock": a.clock}, block_size=bs, grid=grid,

@@ -22,7 +22,7 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from nanoserve.clock import LiveClock
 from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine, StepResult
 from nanoserve.model.stub import StubModel
+from nanoserve.progress import bar
 from nanoserve.sampling import ParamError, SamplingParams
 from nanoserve.serving import AsyncEngine
 from sim.calibrate import geometric_mean, machine_speed, scaled, steal_seconds
@@ -53,13 +54,21 @@ COMPARED = ("output_token_throughput", "request_throughput", "ttft_p50", "ttft_p
 
 
 async def drive_bridge(requests: Sequence[SimRequest], bridge: AsyncEngine,
-                       max_queue: int | None = None) -> list[Record]:
-    """Every request as a client of `bridge`, from now; records in trio's clock, from now."""
+                       max_queue: int | None = None,
+                       on_done: Callable[[], object] | None = None) -> list[Record]:
+    """Every request as a client of `bridge`, from now; records in trio's clock, from now.
+    `on_done` is called as each client ends (a progress bar)."""
     t0 = trio.current_time()
     records = [Record(r.id, r.at_s, len(r.prompt_ids), replica=0) for r in requests]
+
+    async def client(req: SimRequest, rec: Record) -> None:
+        await _client(bridge, req, rec, t0, max_queue)
+        if on_done is not None:
+            on_done()
+
     async with trio.open_nursery() as nursery:
         for req, rec in zip(requests, records, strict=True):
-            nursery.start_soon(_client, bridge, req, rec, t0, max_queue)
+            nursery.start_soon(client, req, rec)
     return records
 
 
@@ -92,10 +101,12 @@ async def _client(bridge: AsyncEngine, req: SimRequest, rec: Record, t0: float,
                 return
 
 
-def measure(workload: Workload, engine: Engine) -> tuple[SimResult, float]:
+def measure(workload: Workload, engine: Engine,
+            progress: str | None = None) -> tuple[SimResult, float]:
     """One wall-clock run of the workload on `engine` (real weights) via the live clock,
     and the steps' contention: their wall time over their thread's CPU time (1 on an idle
-    machine with one torch thread; more when other processes share the cores)."""
+    machine with one torch thread; more when other processes share the cores). `progress`:
+    a bar with that label over the requests, on a terminal."""
     wall = cpu = 0.0
     step = engine.step
 
@@ -115,9 +126,14 @@ def measure(workload: Workload, engine: Engine) -> tuple[SimResult, float]:
             # One throwaway request first: the first steps pay for lazy initialisation.
             warm = bridge.prepare([1000] * 8, SamplingParams(temperature=0, max_tokens=2))
             await bridge.generate(warm)
-            return await drive_bridge(workload.requests, bridge)
+            return await drive_bridge(workload.requests, bridge, on_done=lambda: shown.update(1))
 
-    records = trio.run(main)
+    shown = bar(len(workload.requests), progress or "", enabled=progress is not None,
+                unit="request")
+    try:
+        records = trio.run(main)
+    finally:
+        shown.close()
     end = max((r.finish_s or 0.0 for r in records), default=0.0)
     return SimResult(tuple(records), (), (engine.statistics(),), end), wall / cpu if cpu else 1.0
 
@@ -155,6 +171,7 @@ def add_parser(sub: Any) -> None:
                    help="fraction of requests left out of the metrics [0]")
     p.add_argument("--engine", nargs="+", action="extend", default=[], metavar="KEY=VALUE")
     p.add_argument("--out", metavar="JSON", help="also write the comparison as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (shown on a terminal)")
     from sim.capacity_cli import guarded
 
     p.set_defaults(main=guarded(run_validate))
@@ -186,7 +203,8 @@ def run_validate(a: argparse.Namespace) -> int:
     speeds = [machine_speed(model, tok, cost)]
     for k in range(a.runs):
         steal0, t0 = steal_seconds(), time.perf_counter()
-        result, contention = measure(workload, Engine(model, tok, config))
+        label = None if a.quiet else f"sim validate: run {k + 1}/{a.runs}"
+        result, contention = measure(workload, Engine(model, tok, config), label)
         steal1, wall = steal_seconds(), time.perf_counter() - t0
         steals.append(None if steal0 is None or steal1 is None else (steal1 - steal0) / wall)
         contentions.append(contention)
