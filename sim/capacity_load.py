@@ -27,6 +27,7 @@ from pathlib import Path
 from nanoserve.sampling import ParamError, SamplingParams
 from nanoserve.server import parse
 from nanoserve.server.errors import ApiError
+from nanoserve.server.protocol import protocol
 from nanoserve.tokenizer import Tokenizer
 from sim.load import arrival_times, draw_shapes
 from sim.load_spec import LoadSpec, SpecError, format_load_spec
@@ -128,12 +129,13 @@ def trace_workload(path: str | Path, tokenizer: Tokenizer) -> Workload:
                          "arrivals in seconds (a virtual-clock trace, e.g. from sim load)")
     reqs: list[SimRequest] = []
     invalid = 0
+    api = protocol(trace.header.model)
     for r in trace.requests:
         try:
             if r.path == "/v1/chat/completions":
-                g = parse.chat(r.body, trace.header.model, tokenizer, None)
+                g = parse.chat(r.body, api, tokenizer, None)
             else:
-                g = parse.completion(r.body, trace.header.model)
+                g = parse.completion(r.body, api)
         except (ApiError, ParamError):
             invalid += 1
             continue

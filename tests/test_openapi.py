@@ -217,3 +217,18 @@ async def test_request_schemas_agree_with_the_validators() -> None:
             fits = validator(doc, resp["content"]["application/json"]["schema"])
             assert fits.is_valid(r.json()), (path, body, r.body)
         assert disagree == []
+
+
+def test_request_schemas_are_the_models_parse_validates_with() -> None:
+    """One declaration: each body's documented fields are exactly the fields of the
+    pydantic model that parse validates that route's bodies with."""
+    from nanoserve.server import ServerConfig
+    from nanoserve.server.protocol import protocol
+
+    doc = document(ServerConfig("m"), vocab_size=100, max_model_len=64)
+    for path, model in protocol("m", 100, 64).by_path().items():
+        body = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"][
+            "schema"]
+        assert set(body["properties"]) == set(model.model_fields), path
+        assert set(body.get("required", [])) == {
+            name for name, f in model.model_fields.items() if f.is_required()}, path

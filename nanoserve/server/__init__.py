@@ -4,11 +4,13 @@
     openai.py    POST /v1/completions, POST /v1/chat/completions
     admin.py     GET /health, /v1/models, /metrics; POST /tokenize, /detokenize
     openapi.py   GET /openapi.json: the OpenAPI 3.1 document of these routes
+    protocol.py  the request bodies as pydantic models: validation and /openapi.json
     parse.py     request bodies -> SamplingParams and prompts (400s naming the field)
     respond.py   a job -> a unary JSON body or an SSE stream; status before the first byte
     render.py    response shapes: choices, chunks, logprobs, usage
     jobs.py      requests in flight: merged streams, queue limit, drain on shutdown
-    metrics.py   Prometheus text for /metrics
+    metrics.py   /metrics through prometheus_client
+    hypercorn_fixes.py  HTTP/2 send race, reason phrases (installed before serving)
     main.py      `nanoserve serve`: arguments, weights loading, Hypercorn, signals
 
 This layer sits on `serving.AsyncEngine` and never touches the engine while it steps.

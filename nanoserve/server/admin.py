@@ -13,6 +13,7 @@ from quart import Quart, Response, request
 from nanoserve.server import parse
 from nanoserve.server.errors import ApiError, bad_request
 from nanoserve.server.openai import read_json
+from nanoserve.server.protocol import validate
 from nanoserve.server.respond import json_response
 from nanoserve.server.state import current_state, ready
 
@@ -49,16 +50,16 @@ def register(app: Quart) -> None:
         r = ready(st)
         body = await read_json()
         parse.check_model(body, st.config.served_model_name)
-        special = parse.opt_bool(body, "add_special_tokens", False)
-        prompt = body.get("prompt")
-        if body.get("messages") is not None:
-            prompt = parse.chat_text(body, r.tokenizer, st.config.chat_template)
-        elif not isinstance(prompt, str):
-            raise bad_request("prompt", f"prompt must be a string, got {prompt!r:.80}")
-        text: str = prompt
-        ids = r.tokenizer.encode(text, add_special_tokens=special)
-        strs = [r.tokens.text(t) for t in ids] if parse.opt_bool(
-            body, "return_token_strs", False) else None
+        req = validate(r.api.tokenize, body)
+        if req.messages is not None:
+            text = parse.chat_text(req.messages, req.add_generation_prompt, r.tokenizer,
+                                   st.config.chat_template)
+        elif req.prompt is None:
+            raise bad_request("prompt", "prompt (a string) or messages is required", "missing")
+        else:
+            text = req.prompt
+        ids = r.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
+        strs = [r.tokens.text(t) for t in ids] if req.return_token_strs else None
         return json_response({"count": len(ids), "max_model_len": r.engine.max_model_len,
                               "tokens": ids, "token_strs": strs})
 
@@ -68,9 +69,9 @@ def register(app: Quart) -> None:
         r = ready(st)
         body = await read_json()
         parse.check_model(body, st.config.served_model_name)
-        ids = parse.token_list(body.get("tokens"), "tokens")
+        ids = validate(r.api.detokenize, body).tokens
         vocab = r.engine.model.config.vocab_size
-        bad = next((t for t in ids if t >= vocab), None)
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise bad_request("tokens", f"token id {bad} is outside the vocabulary [0, {vocab})")
         return json_response({"prompt": r.tokenizer.decode(ids)})

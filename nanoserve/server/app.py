@@ -33,6 +33,7 @@ from nanoserve.server import admin, openai, openapi, recording
 from nanoserve.server.errors import ApiError, error_object
 from nanoserve.server.jobs import Registry
 from nanoserve.server.metrics import Metrics
+from nanoserve.server.protocol import protocol
 from nanoserve.server.recording import Recorder
 from nanoserve.server.render import TokenText
 from nanoserve.server.respond import SseBody, json_response
@@ -186,7 +187,9 @@ async def _serve_engine(
         registry = Registry(bridge, st.metrics, st.config.max_queue)
         if st.recorder is not None:
             recording.safely(st.recorder.start, engine, bridge, st.config)
-        st.ready = Ready(engine, bridge, registry, TokenText(engine.tokenizer))
+        api = protocol(st.config.served_model_name, engine.model.config.vocab_size,
+                       engine.max_model_len)
+        st.ready = Ready(engine, bridge, registry, TokenText(engine.tokenizer), api)
         st.loaded.set()
         if isinstance(source, Engine):
             task_status.started()

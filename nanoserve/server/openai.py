@@ -69,7 +69,7 @@ def register(app: Quart) -> None:
     async def completions() -> Response:
         st = current_state()
         r = ready(st)
-        req = parse.completion(await read_json(), st.config.served_model_name)
+        req = parse.completion(await read_json(), r.api)
         prefixes = [""] * len(req.prompts)
         if req.echo:
             prefixes = [
@@ -83,6 +83,5 @@ def register(app: Quart) -> None:
     async def chat_completions() -> Response:
         st = current_state()
         r = ready(st)
-        req = parse.chat(await read_json(), st.config.served_model_name, r.tokenizer,
-                         st.config.chat_template)
+        req = parse.chat(await read_json(), r.api, r.tokenizer, st.config.chat_template)
         return await _generate(st, r, "chat", req, [""])

@@ -1,13 +1,14 @@
 """`GET /openapi.json`: an OpenAPI 3.1 document of exactly the routes the app registers.
 
-The document is built in code from the same limits the validators use (`sampling.MAX_N`,
-`MAX_LOGPROBS`, ...), so it cannot drift from them silently; tests/test_openapi.py checks
-that its paths and methods equal the app's URL map. Request schemas describe the types and
-ranges that `parse` and `SamplingParams` check one field at a time. What a schema cannot say
-(a prompt plus max_tokens that overflows max_model_len or the KV pool, min_tokens above
-max_tokens, a chat template that refuses a role) is a 400 too, named in `description`s.
-Fields the server refuses (tools, suffix, ...) are typed `null`: absent or null is fine,
-any value is a 400. Unknown fields are ignored, hence `additionalProperties` is left open.
+The request schemas are generated from the request models that parse validates with
+(server/protocol.py), their ranges from the same limits `SamplingParams` checks
+(`sampling.MAX_N`, `MAX_LOGPROBS`, ...), so they cannot drift silently; tests/test_openapi.py
+checks that the paths and methods equal the app's URL map and that the schemas agree with
+the validators at every boundary. What a schema cannot say (a prompt plus max_tokens that
+overflows max_model_len or the KV pool, min_tokens above max_tokens, a chat template that
+refuses a role) is a 400 too, named in `description`s. Fields the server refuses (tools,
+suffix, ...) are typed `null`: absent or null is fine, any value is a 400. Unknown fields
+are ignored, hence `additionalProperties` is left open.
 
 The route needs the API key like every route but `/health`: the document maps the surface
 an attacker would probe, and a client that may call the API may read it. The bearer scheme
@@ -22,8 +23,7 @@ from typing import Any
 
 from quart import Quart, Response
 
-from nanoserve.sampling import MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, MAX_LOGPROBS, MAX_N
-from nanoserve.sampling import MAX_STOP_STRINGS as MAX_STOP
+from nanoserve.server import protocol
 from nanoserve.server.respond import json_response
 from nanoserve.server.state import ServerConfig, current_state
 
@@ -31,126 +31,9 @@ Schema = dict[str, Any]
 ERROR_REF = {"$ref": "#/components/schemas/Error"}
 
 
-def _opt(schema: Schema) -> Schema:
-    """The field may also be null, which means absent (parse drops nulls)."""
-    kind = schema.get("type")
-    if isinstance(kind, str):
-        return {**schema, "type": [kind, "null"]}
-    return {"anyOf": [schema, {"type": "null"}]}
-
-
-def _int(lo: int | None = None, hi: int | None = None, **kw: Any) -> Schema:
-    out: Schema = {"type": "integer", **kw}
-    if lo is not None:
-        out["minimum"] = lo
-    if hi is not None:
-        out["maximum"] = hi
-    return out
-
-
-def _token_ids(vocab: int | None, *, min_items: int = 0) -> Schema:
-    hi = None if vocab is None else vocab - 1
-    return {"type": "array", "items": _int(0, hi), "minItems": min_items}
-
-
-def _sampling(vocab: int | None, max_len: int | None) -> dict[str, Schema]:
-    """The fields copied into SamplingParams, with its ranges (nanoserve/sampling.py)."""
-    hi_tok = None if max_len is None else max_len - 1
-    pen = {"type": "number", "minimum": -MAX_ABS_PENALTY, "maximum": MAX_ABS_PENALTY}
-    bias = {"type": "number", "minimum": -MAX_ABS_LOGIT_BIAS, "maximum": MAX_ABS_LOGIT_BIAS}
-    stop_str = {"type": "string", "minLength": 1}
-    return {
-        "n": _opt(_int(1, MAX_N)),
-        "temperature": _opt({"type": "number", "minimum": 0, "description": "0 is greedy"}),
-        "top_p": _opt({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
-        "top_k": _opt(_int(-1, description="0 or -1: off")),
-        "min_p": _opt({"type": "number", "minimum": 0, "maximum": 1}),
-        "seed": _opt(_int()),
-        "max_tokens": _opt(_int(1, hi_tok, description="prompt + max_tokens must fit "
-                                "max_model_len and the KV pool (else a 400)")),
-        "min_tokens": _opt(_int(0, description="at most max_tokens")),
-        "ignore_eos": _opt({"type": "boolean"}),
-        "stop_token_ids": _opt(_token_ids(vocab)),
-        "stop": _opt({"anyOf": [stop_str, {"type": "array", "items": stop_str,
-                                           "maxItems": MAX_STOP}]}),
-        "include_stop_str_in_output": _opt({"type": "boolean"}),
-        "skip_special_tokens": _opt({"type": "boolean"}),
-        "presence_penalty": _opt(pen),
-        "frequency_penalty": _opt(pen),
-        "repetition_penalty": _opt({"type": "number", "exclusiveMinimum": 0}),
-        "logit_bias": _opt({"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
-                            "additionalProperties": bias,
-                            "description": "token id (a decimal string) -> bias"}),
-        "stream": _opt({"type": "boolean"}),
-        "stream_options": _opt({"type": "object", "description": "only with stream: true",
-                                "properties": {"include_usage": _opt({"type": "boolean"}),
-                                               "continuous_usage_stats": _opt(
-                                                   {"type": "boolean", "description":
-                                                    "with include_usage: usage on every "
-                                                    "chunk (vLLM's)"})}}),
-    }
-
-
-def _refused(*names: str) -> dict[str, Schema]:
-    return {n: {"type": "null", "description": "not supported: any value is a 400"}
-            for n in names}
-
-
-def _body(props: dict[str, Schema], required: list[str], description: str) -> Schema:
-    return {"type": "object", "properties": props, "required": required,
-            "description": description}
-
-
 def request_schemas(model: str, vocab: int | None, max_len: int | None) -> dict[str, Schema]:
-    """The JSON body of each POST route, by path."""
-    text = {"type": "string", "minLength": 1}
-    prompt = {"anyOf": [
-        text,
-        {"type": "array", "items": text, "minItems": 1},
-        _token_ids(vocab, min_items=1),
-        {"type": "array", "items": _token_ids(vocab, min_items=1), "minItems": 1},
-    ]}
-    part = {"type": "object", "required": ["type", "text"],
-            "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
-    message = {"type": "object", "required": ["role"], "properties": {
-        "role": {"type": "string", "description": "the chat template may refuse a role"},
-        "content": {"anyOf": [{"type": "string"}, {"type": "null"},
-                              {"type": "array", "items": part}]},
-    }}
-    messages = {"type": "array", "items": message, "minItems": 1}
-    model_s = _opt({"type": "string", "enum": [model]})
-    common = {"model": model_s, **_sampling(vocab, max_len)}
-    completion = _body({
-        **common, "prompt": prompt, "echo": _opt({"type": "boolean"}),
-        "logprobs": _opt(_int(0, MAX_LOGPROBS)),
-        "best_of": _opt(_int(1, MAX_N, description="must equal n")),
-        **_refused("tools", "tool_choice", "functions", "function_call", "suffix",
-                   "prompt_logprobs"),
-    }, ["prompt"], "A completion; each prompt string is tokenized and must be non-empty.")
-    chat = _body({
-        **common, "messages": messages,
-        "add_generation_prompt": _opt({"type": "boolean"}),
-        "max_completion_tokens": common["max_tokens"],
-        "logprobs": _opt({"type": "boolean"}),
-        "top_logprobs": _opt(_int(0, MAX_LOGPROBS, description="needs logprobs: true")),
-        "response_format": _opt({"type": "object", "required": ["type"],
-                                 "properties": {"type": {"const": "text"}},
-                                 "additionalProperties": False}),
-        **_refused("tools", "tool_choice", "functions", "function_call", "suffix",
-                   "prompt_logprobs"),
-    }, ["messages"], "A chat completion; messages go through the chat template.")
-    tokenize = {"type": "object", "description": "prompt, or messages (which win)",
-                "anyOf": [{"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
-                          {"required": ["messages"], "properties": {"messages": messages}}],
-                "properties": {"model": model_s, "prompt": {"type": "string"},
-                               "messages": _opt(messages),
-                               "add_generation_prompt": _opt({"type": "boolean"}),
-                               "add_special_tokens": _opt({"type": "boolean"}),
-                               "return_token_strs": _opt({"type": "boolean"})}}
-    detokenize = _body({"model": model_s, "tokens": _token_ids(vocab, min_items=1)},
-                       ["tokens"], "Token ids back to text.")
-    return {"/v1/completions": completion, "/v1/chat/completions": chat,
-            "/tokenize": tokenize, "/detokenize": detokenize}
+    """The JSON body of each POST route, by path: generated from the request models."""
+    return protocol.request_schemas(model, vocab, max_len)
 
 
 def _obj(props: dict[str, Schema], **kw: Any) -> Schema:

@@ -13,6 +13,7 @@ from nanoserve.engine import Engine
 from nanoserve.server.errors import ApiError
 from nanoserve.server.jobs import Registry
 from nanoserve.server.metrics import Metrics
+from nanoserve.server.protocol import Protocol
 from nanoserve.server.recording import Recorder
 from nanoserve.server.render import TokenText
 from nanoserve.serving import AsyncEngine
@@ -45,6 +46,7 @@ class Ready:
     bridge: AsyncEngine
     registry: Registry
     tokens: TokenText
+    api: Protocol  # the request models, with this model's vocabulary and context
 
     @property
     def tokenizer(self) -> Tokenizer:

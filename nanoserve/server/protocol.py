@@ -1,0 +1,264 @@
+"""The request bodies of the API as pydantic models: what parse checks, and what
+`/openapi.json` documents, declared once.
+
+The models check types and shapes, strictly (JSON's `true` is no 1, `2.0` no integer, `"2"`
+no number); a failure is a 400 whose `param` is the top-level field. Value ranges
+stay where the library's own users meet them, in `SamplingParams` (and the engine, for what
+needs the model: token ids against the vocabulary, prompt plus max_tokens against the
+context), whose messages name the field and the allowed range; the models carry those
+ranges, from the same constants, as schema annotations only, so the document states them
+and tests/test_openapi.py checks that it agrees with the validators at every boundary.
+
+Some bounds depend on the served model (the vocabulary, max_model_len), so the models are
+built per (served name, vocab, max_model_len) and cached: an app builds its set once the
+engine is up, and the document without those bounds before.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    WithJsonSchema,
+)
+from pydantic.json_schema import GenerateJsonSchema
+
+from nanoserve.sampling import MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, MAX_LOGPROBS, MAX_N
+from nanoserve.sampling import MAX_STOP_STRINGS as MAX_STOP
+from nanoserve.server.errors import ApiError
+
+Schema = dict[str, Any]
+Number = StrictInt | StrictFloat  # a JSON number; SamplingParams takes either
+# Where a failing shape deserves more words than pydantic's message about one alternative.
+SHAPES = {
+    "prompt": "a non-empty string, a list of strings, a list of token ids, or a list of such "
+              "lists",
+    "stop": "a string or a list of strings",
+    "messages": "a non-empty list of {role, content} objects, content a string, a list of "
+                "text parts, or null",
+    "logit_bias": "an object of token id (a decimal string) -> number",
+}  # fmt: skip
+
+
+def schema(**annotations: Any) -> Any:
+    """Annotations for the document only (ranges and notes): SamplingParams and the engine
+    check what they say."""
+    return Field(json_schema_extra={k: v for k, v in annotations.items() if v is not None})
+
+
+class _Body(BaseModel):
+    # Unknown fields are ignored (clients send vendor extras); the document leaves
+    # additionalProperties open for them.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: StrictBool | None = None
+    continuous_usage_stats: Annotated[StrictBool | None, schema(
+        description="with include_usage: usage on every chunk (vLLM's)")] = None
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class Message(BaseModel):
+    # Other keys (name, ...) reach the chat template as they came.
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: Annotated[StrictStr, schema(description="the chat template may refuse a role")]
+    content: StrictStr | list[TextPart] | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message for the chat template: text parts joined, null content empty."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(p.text for p in content)
+        return {**self.model_dump(), "content": content or ""}
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["text"]  # the default behaviour, spelled out; anything else is a 400
+
+
+@dataclass(frozen=True, slots=True)
+class Protocol:
+    """The request models of one served model."""
+
+    served: str  # the one `model` a body may name
+    completion: type[BaseModel]
+    chat: type[BaseModel]
+    tokenize: type[BaseModel]
+    detokenize: type[BaseModel]
+
+    def by_path(self) -> dict[str, type[BaseModel]]:
+        return {"/v1/completions": self.completion, "/v1/chat/completions": self.chat,
+                "/tokenize": self.tokenize, "/detokenize": self.detokenize}
+
+
+@functools.lru_cache(maxsize=16)
+def protocol(served: str, vocab: int | None = None, max_len: int | None = None) -> Protocol:
+    """The models for `served` (the only `model` a body may name); token ids below `vocab`
+    and max_tokens below `max_len` once those are known."""
+    hi_id = None if vocab is None else vocab - 1
+    hi_tok = None if max_len is None else max_len - 1
+    TokenId = Annotated[StrictInt, schema(minimum=0, maximum=hi_id)]
+    TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+    Text = Annotated[StrictStr, Field(min_length=1)]
+    pen = schema(minimum=-MAX_ABS_PENALTY, maximum=MAX_ABS_PENALTY)
+    # Keys are token ids: pydantic would write a key pattern as patternProperties, which
+    # leaves other keys open, so this schema is spelled out.
+    LogitBias = Annotated[dict[StrictStr, Number], WithJsonSchema({
+        "type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
+        "additionalProperties": {"type": "number", "minimum": -MAX_ABS_LOGIT_BIAS,
+                                 "maximum": MAX_ABS_LOGIT_BIAS}})]
+    StopStr = Annotated[StrictStr, schema(minLength=1)]
+    MaxTokens = Annotated[StrictInt | None, schema(
+        minimum=1, maximum=hi_tok,
+        description="prompt + max_tokens must fit max_model_len and the KV pool (else a 400)")]
+    Refused = Annotated[None, schema(description="not supported: any value is a 400")]
+
+    class Sampling(_Body):
+        """The fields copied into SamplingParams, with its ranges (nanoserve/sampling.py)."""
+
+        model: Annotated[StrictStr | None, schema(enum=[served])] = None
+        n: Annotated[StrictInt | None, schema(minimum=1, maximum=MAX_N)] = None
+        temperature: Annotated[Number | None, schema(minimum=0, description="0 is greedy")] = None
+        top_p: Annotated[Number | None, schema(exclusiveMinimum=0, maximum=1)] = None
+        top_k: Annotated[StrictInt | None, schema(minimum=-1, description="0 or -1: off")] = None
+        min_p: Annotated[Number | None, schema(minimum=0, maximum=1)] = None
+        seed: StrictInt | None = None
+        max_tokens: MaxTokens = None
+        min_tokens: Annotated[StrictInt | None, schema(minimum=0,
+                                                       description="at most max_tokens")] = None
+        ignore_eos: StrictBool | None = None
+        stop_token_ids: list[TokenId] | None = None
+        stop: Annotated[StopStr | Annotated[list[StopStr], schema(maxItems=MAX_STOP)] | None,
+                        Field(union_mode="left_to_right")] = None
+        include_stop_str_in_output: StrictBool | None = None
+        skip_special_tokens: StrictBool | None = None
+        presence_penalty: Annotated[Number | None, pen] = None
+        frequency_penalty: Annotated[Number | None, pen] = None
+        repetition_penalty: Annotated[Number | None, schema(exclusiveMinimum=0)] = None
+        logit_bias: Annotated[LogitBias | None, schema(
+            description="token id (a decimal string) -> bias")] = None
+        stream: StrictBool | None = None
+        stream_options: Annotated[StreamOptions | None,
+                                  schema(description="only with stream: true")] = None
+        tools: Refused = None
+        tool_choice: Refused = None
+        functions: Refused = None
+        function_call: Refused = None
+        suffix: Refused = None
+        prompt_logprobs: Refused = None
+
+    class Completion(Sampling):
+        """A completion; each prompt string is tokenized and must be non-empty."""
+
+        model_config = ConfigDict(title="CompletionRequest")
+        prompt: (Text | Annotated[list[Text], Field(min_length=1)] | TokenIds
+                 | Annotated[list[TokenIds], Field(min_length=1)])
+        echo: StrictBool | None = None
+        logprobs: Annotated[StrictInt | None, schema(minimum=0, maximum=MAX_LOGPROBS)] = None
+        best_of: Annotated[StrictInt | None, schema(minimum=1, maximum=MAX_N,
+                                                    description="must equal n")] = None
+
+    class Chat(Sampling):
+        """A chat completion; messages go through the chat template."""
+
+        model_config = ConfigDict(title="ChatCompletionRequest")
+        messages: Annotated[list[Message], Field(min_length=1)]
+        add_generation_prompt: StrictBool | None = None
+        max_completion_tokens: MaxTokens = None
+        logprobs: StrictBool | None = None
+        top_logprobs: Annotated[StrictInt | None, schema(
+            minimum=0, maximum=MAX_LOGPROBS, description="needs logprobs: true")] = None
+        response_format: ResponseFormat | None = None
+
+    class Tokenize(_Body):
+        """prompt, or messages (which win)."""
+
+        model_config = ConfigDict(title="TokenizeRequest", json_schema_extra={"anyOf": [
+            {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+            {"required": ["messages"], "properties": {
+                "messages": {"type": "array"}}}]})
+        model: Annotated[StrictStr | None, schema(enum=[served])] = None
+        prompt: StrictStr | None = None
+        messages: Annotated[list[Message], Field(min_length=1)] | None = None
+        add_generation_prompt: StrictBool | None = None
+        add_special_tokens: StrictBool | None = None
+        return_token_strs: StrictBool | None = None
+
+    class Detokenize(_Body):
+        """Token ids back to text."""
+
+        model_config = ConfigDict(title="DetokenizeRequest")
+        model: Annotated[StrictStr | None, schema(enum=[served])] = None
+        tokens: TokenIds
+
+    return Protocol(served, Completion, Chat, Tokenize, Detokenize)
+
+
+# Errors name a field as SamplingParams does where the API has another name for it (the
+# chat API's max_completion_tokens becomes max_tokens), so every field's errors read alike.
+PARAM_NAMES = {"max_completion_tokens": "max_tokens"}
+
+
+def validate(model: type[BaseModel], body: Mapping[str, Any]) -> Any:
+    """`body` as an instance of `model`, or the 400 naming its first bad field."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        loc = err["loc"]
+        param = PARAM_NAMES.get(str(loc[0]), str(loc[0])) if loc else None
+        if err["type"] == "missing":
+            raise ApiError(400, f"{param} is required", param, "missing") from None
+        message = f"{param}: {err['msg']}" if param else err["msg"]
+        if param in SHAPES:
+            message += f"; {param} must be {SHAPES[param]}"
+        if not isinstance(err["input"], dict | list):
+            message += f" (got {err['input']!r:.80})"
+        raise ApiError(400, message, param, "invalid_value") from None
+
+
+class _NoFieldTitles(GenerateJsonSchema):
+    """Titles on every property ("Top P") say nothing a name does not."""
+
+    def field_title_should_be_set(self, schema: Any) -> bool:
+        return False
+
+
+def request_schemas(served: str, vocab: int | None, max_len: int | None) -> dict[str, Schema]:
+    """The JSON schema of each POST route's body, by path; each stands alone (the models'
+    shared parts are written inline: none of them is recursive)."""
+    out: dict[str, Schema] = {}
+    for path, model in protocol(served, vocab, max_len).by_path().items():
+        s = model.model_json_schema(schema_generator=_NoFieldTitles)
+        defs = s.pop("$defs", {})
+        out[path] = _inline(s, defs)
+    return out
+
+
+def _inline(node: Any, defs: dict[str, Schema]) -> Any:
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/$defs/"):
+            target = _inline(defs[ref.removeprefix("#/$defs/")], defs)
+            return {**target, **{k: _inline(v, defs) for k, v in node.items() if k != "$ref"}}
+        return {k: _inline(v, defs) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_inline(v, defs) for v in node]
+    return node
