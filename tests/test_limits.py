@@ -131,7 +131,7 @@ async def test_the_key_never_reaches_a_log(caplog: pytest.LogCaptureFixture,
         statuses = await trio.to_thread.run_sync(exercise, url)
     assert statuses == [200, 200, 400, 401, 401, 401, 401]
     access = [r.getMessage() for r in caplog.records if r.name == "hypercorn.access"]
-    assert len(access) == 7
+    assert len(access) == 7, "\n".join(access)
     assert "POST /v1/completions" in access[0]
     out, err = capfd.readouterr()
     for text in (caplog.text, out, err, *access):

@@ -17,7 +17,9 @@
 
 2. Reason phrases. Hypercorn hands h11 no reason, so status lines read `HTTP/1.1 404 ` and
    clients print "Client error '404 '". `_H11WithReasons` fills in the standard phrase
-   (`http.HTTPStatus`); HTTP/2 has no reason phrase at all.
+   (`http.HTTPStatus`); HTTP/2 has no reason phrase at all. It also skips Hypercorn's empty
+   write at the end of a content-length body, which raced a client's hang-up into a second,
+   unanswered access-log line for the request (see the method).
 
 Hypercorn builds both classes by name from its own modules (`hypercorn.trio.run` makes a
 `TCPServer` per connection, `hypercorn.protocol.ProtocolWrapper` an `H11Protocol`), so
@@ -41,6 +43,7 @@ import hypercorn.protocol
 import hypercorn.trio
 import hypercorn.trio.run
 import trio
+from hypercorn.events import RawData
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.tcp_server import TCPServer
 
@@ -77,12 +80,23 @@ class _SafeTCPServer(TCPServer):
 
 class _H11WithReasons(H11Protocol):
     async def _send_h11_event(self, event: Any) -> None:
+        # Hypercorn's own method, with the reason phrase filled in, and without its write of
+        # nothing: the end of a content-length body is zero bytes, and awaiting that empty
+        # send let a client that had read the whole body and hung up be seen first, so the
+        # request was access-logged twice, once as unanswered ("- -").
         if isinstance(event, h11.Response | h11.InformationalResponse) and not event.reason:
             phrase = _phrase(event.status_code)
             if phrase:
                 event = type(event)(status_code=event.status_code, headers=event.headers,
                                     http_version=event.http_version, reason=phrase)
-        await super()._send_h11_event(event)
+        try:
+            data = self.connection.send(event)
+        except h11.LocalProtocolError:
+            if self.connection.their_state != h11.ERROR:
+                raise
+            return
+        if data:
+            await self.send(RawData(data=data))
 
 
 def _phrase(status: int) -> str:
