@@ -29,6 +29,24 @@ def smollm2_model(smollm2_folder: Path) -> LlamaModel:
 
 
 @pytest.fixture(scope="session")
+def smollm2_quantized() -> LlamaModel:
+    """SmolLM2 on its GGUF's own Q4_1 and Q8_0 blocks (`--quantization auto`)."""
+    from nanoserve.model import load
+
+    model, _ = load("smollm2", quantization="auto")
+    assert isinstance(model, LlamaModel)
+    return model
+
+
+@pytest.fixture(scope="session", params=["float32", "quantized"])
+def smollm2_any(request: pytest.FixtureRequest) -> LlamaModel:
+    """The float32 model, then the quantized one: for the tests both must pass."""
+    name = "smollm2_model" if request.param == "float32" else "smollm2_quantized"
+    model: LlamaModel = request.getfixturevalue(name)
+    return model
+
+
+@pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_folder: Path) -> Tokenizer:
     return Tokenizer.from_folder(smollm2_folder)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from nanoserve.model.base import ForwardBatch, Model, ModelConfig
 from nanoserve.tokenizer import Tokenizer
@@ -18,13 +19,20 @@ def load(
     device: str = "cpu",
     dtype: str = "float32",
     stub_eos_prob: float = 0.0,
+    quantization: str = "auto",
 ) -> tuple[Model, Tokenizer]:
     """`smollm2` (the embedded model), `stub`, or a path to a Hugging Face Llama folder or a
-    GGUF file. The stub uses SmolLM2's tokenizer, so its text behaves like the real model's."""
+    GGUF file. The stub uses SmolLM2's tokenizer, so its text behaves like the real model's.
+    `quantization` (model/quant.py): `auto` keeps a GGUF's own block formats where kernels
+    exist, `none` dequantizes to float32, `q8_0`/`q4_0`/`q4_1` quantize to that format."""
     import torch
 
     from nanoserve.model.loader import resolve_model
+    from nanoserve.model.quant import CHOICES
 
+    if quantization not in CHOICES:
+        raise ValueError(f"quantization must be one of {', '.join(CHOICES)}, got "
+                         f"{quantization!r}")
     if name == "stub":
         from nanoserve.model.stub import StubModel
 
@@ -38,7 +46,44 @@ def load(
                    "float16": torch.float16}.get(dtype)
     if torch_dtype is None:
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
-    return LlamaModel.from_folder(folder, device=device, dtype=torch_dtype), tok
+    weights = _quantized_weights(name, folder, quantization, device, torch_dtype)
+    if weights is None:
+        return LlamaModel.from_folder(folder, device=device, dtype=torch_dtype), tok
+    from nanoserve.model.loader import load_model_config
+
+    return LlamaModel(load_model_config(folder), weights, device=device, dtype=torch_dtype), tok
+
+
+def _quantized_weights(
+    name: str, folder: Path, quantization: str, device: str, dtype: Any
+) -> dict[str, Any] | None:
+    """The weights with quantized projections, or None for the float32 folder as it is."""
+    import logging
+
+    import torch
+
+    from nanoserve.model import native
+    from nanoserve.model.llama import load_weights
+    from nanoserve.model.loader import gguf_path, read_gguf_weights
+    from nanoserve.model.quant import BLOCK_BYTES, quantize
+
+    if quantization == "none":
+        return None
+    if not (torch.device(device).type == "cpu" and dtype == torch.float32
+            and native.available()):
+        logging.getLogger(__name__).warning(
+            "--quantization %s: the quantized kernels run on the CPU in float32 with "
+            "nanoserve's native kernels; using float32 weights", quantization)
+        return None
+    gguf = gguf_path(name)
+    if quantization == "auto":
+        if gguf is None:
+            return None  # a float32 (or bf16) folder: nothing quantized to keep
+        return read_gguf_weights(gguf, keep=frozenset(BLOCK_BYTES))
+    # One format for every matrix: from the file's values (dequantized), by gguf-py.
+    weights: dict[str, Any] = (read_gguf_weights(gguf, keep=frozenset()) if gguf is not None
+                               else load_weights(folder))
+    return {k: quantize(v, quantization) if v.dim() == 2 else v for k, v in weights.items()}
 
 
 def kv_geometry(name: str, dtype: str = "float32") -> tuple[int, int]:

@@ -8,7 +8,7 @@ a token belongs to (model/attention.py).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,16 +27,17 @@ from nanoserve.model.attention import (
 from nanoserve.model.base import ForwardBatch, ModelConfig
 from nanoserve.model.linear import Proj, mkl_packing_available
 from nanoserve.model.loader import load_model_config
+from nanoserve.model.quant import QuantProj, QuantWeight
 
 
 @dataclass(slots=True)
 class _Layer:
     attn_norm: torch.Tensor  # [hidden]
-    qkv: Proj  # hidden -> (H + 2 KV) * D: q, k and v projections fused
-    o: Proj  # H * D -> hidden
+    qkv: Proj | QuantProj  # hidden -> (H + 2 KV) * D: q, k and v projections fused
+    o: Proj | QuantProj  # H * D -> hidden
     mlp_norm: torch.Tensor  # [hidden]
-    gate_up: Proj  # hidden -> 2 I: gate and up projections fused
-    down: Proj  # I -> hidden
+    gate_up: Proj | QuantProj  # hidden -> 2 I: gate and up projections fused
+    down: Proj | QuantProj  # I -> hidden
 
 
 @dataclass(slots=True)
@@ -63,7 +64,7 @@ class LlamaModel:
     def __init__(
         self,
         config: ModelConfig,
-        weights: dict[str, torch.Tensor],
+        weights: Mapping[str, torch.Tensor | QuantWeight],
         *,
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
@@ -83,19 +84,37 @@ class LlamaModel:
                               and native.available())
         self.native_attention = self.native_layers and config.head_dim in NATIVE_HEAD_DIMS
 
-        def w(name: str) -> torch.Tensor:
-            return weights[name].to(device=self.device, dtype=dtype)
+        # Quantized weights (model/quant.py) run on nanoserve's kernels: float32 on the CPU.
+        self.quantized = self.native_layers
 
-        self.embed = w("model.embed_tokens.weight")  # [vocab, hidden]
+        def w(name: str) -> torch.Tensor:
+            t = weights[name]
+            t = t.dequantize() if isinstance(t, QuantWeight) else t
+            return t.to(device=self.device, dtype=dtype)
+
+        def make_proj(parts: list[torch.Tensor | QuantWeight]) -> Proj | QuantProj:
+            """Several weights fused along the output: quantized where all share a format
+            that runs here, else float32."""
+            if self.quantized and all(isinstance(q, QuantWeight) for q in parts) and len(
+                    {q.format for q in parts if isinstance(q, QuantWeight)}) == 1:
+                return QuantProj(QuantWeight.cat([q for q in parts
+                                                  if isinstance(q, QuantWeight)]))
+            dense = [q.dequantize() if isinstance(q, QuantWeight) else q for q in parts]
+            return Proj(torch.cat(dense).to(device=self.device, dtype=dtype), pack=pack_weights)
+
+        embed = weights["model.embed_tokens.weight"]
+        # [vocab, hidden]: float32, or its quantized rows, dequantized as they are looked up
+        self.embed_q = embed if self.quantized and isinstance(embed, QuantWeight) else None
+        self.embed = None if self.embed_q is not None else w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
-        head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
-        self.lm_head = Proj(head, pack=pack_weights)  # hidden -> vocab
+        head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+        self.lm_head = make_proj([weights[head]])  # hidden -> vocab
         self.layers: list[_Layer] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
 
-            def proj(*names: str, p: str = p) -> Proj:  # several: fused along the output
-                return Proj(torch.cat([w(p + n + ".weight") for n in names]), pack=pack_weights)
+            def proj(*names: str, p: str = p) -> Proj | QuantProj:
+                return make_proj([weights[p + n + ".weight"] for n in names])
 
             self.layers.append(_Layer(
                 attn_norm=w(p + "input_layernorm.weight"),
@@ -188,7 +207,7 @@ class LlamaModel:
         with torch.inference_mode():
             plan = self._plan(batch)
             eps = self.config.rms_norm_eps
-            x = F.embedding(plan.input_ids, self.embed)  # [T, hidden], the residual stream
+            x = self._embed(plan.input_ids)  # [T, hidden], the residual stream
             h = ops.rms_norm(x, self.layers[0].attn_norm, eps, native=nat)
             for i, layer in enumerate(self.layers):
                 a = self._attention(layer, h, cache[i, 0], cache[i, 1], plan)
@@ -204,6 +223,12 @@ class LlamaModel:
         # sampler may then scale or mask them in place (inference tensors forbid that).
         with torch.no_grad():
             return self.lm_head(h).float()  # [R, vocab]
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_q is not None:
+            return self.embed_q.take_rows(ids)
+        assert self.embed is not None
+        return F.embedding(ids, self.embed)
 
     def _attention(
         self,

@@ -177,17 +177,11 @@ def convert_gguf(gguf_path: Path, out: Path, *, sha256: str | None = None) -> No
         # dequantize returns [out, in] (numpy order: GGUF lists dims innermost first).
         # A copy: for F32 tensors dequantize returns a read-only view of the mapped file.
         w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if t.name in _GLOBAL_NAMES:
-            name = _GLOBAL_NAMES[t.name]
-        else:
-            blk, layer, kind, suffix = t.name.split(".")
-            if blk != "blk" or kind not in _LAYER_NAMES or suffix != "weight":
-                raise ValueError(f"{gguf_path}: unexpected tensor {t.name}")
-            name = f"model.layers.{layer}.{_LAYER_NAMES[kind]}.weight"
-            if kind == "attn_q":
-                w = unpermute_rope_rows(w, n_heads)
-            elif kind == "attn_k":
-                w = unpermute_rope_rows(w, n_kv)
+        name, kind = _hf_name(gguf_path, t.name)
+        if kind == "attn_q":
+            w = unpermute_rope_rows(w, n_heads)
+        elif kind == "attn_k":
+            w = unpermute_rope_rows(w, n_kv)
         tensors[name] = torch.from_numpy(np.ascontiguousarray(w))
     log.info("dequantized %d tensors", len(tensors))
 
@@ -200,6 +194,55 @@ def convert_gguf(gguf_path: Path, out: Path, *, sha256: str | None = None) -> No
     source = {"gguf": gguf_path.name, "gguf_sha256": sha256 or file_sha256(gguf_path),
               "format_version": _FORMAT_VERSION}
     (out / "nanoserve_source.json").write_text(json.dumps(source, indent=2) + "\n")
+
+
+def gguf_path(name_or_path: str) -> Path | None:
+    """The GGUF file behind a model name, or None for a Hugging Face folder."""
+    if name_or_path == EMBEDDED_NAME:
+        return embedded_gguf_path()
+    path = Path(name_or_path).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
+def read_gguf_weights(gguf: Path, *, keep: frozenset[str]) -> dict[str, Any]:
+    """The GGUF's tensors under Hugging Face names, without a float32 copy of those whose
+    format is in `keep` (nanoserve.model.quant.BLOCK_BYTES): those come as QuantWeights of
+    the file's own blocks (Q/K rows put back in Hugging Face order, which moves whole rows);
+    every other tensor is dequantized to float32, exactly as `convert_gguf` does."""
+    import torch
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    from nanoserve.model.quant import QuantWeight
+
+    reader = GGUFReader(gguf)
+    n_heads = int(_field(reader, "llama.attention.head_count"))
+    n_kv = int(_field(reader, "llama.attention.head_count_kv", n_heads))
+    out: dict[str, Any] = {}
+    for t in reader.tensors:
+        fmt = t.tensor_type.name.lower()
+        kept = fmt in keep
+        # Quantized rows as bytes [rows, row bytes]; anything else dequantized to [rows, cols].
+        w = (np.array(t.data, dtype=np.uint8) if kept
+             else np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
+        name, kind = _hf_name(gguf, t.name)
+        if kind == "attn_q":
+            w = unpermute_rope_rows(w, n_heads)
+        elif kind == "attn_k":
+            w = unpermute_rope_rows(w, n_kv)
+        tensor = torch.from_numpy(np.ascontiguousarray(w))
+        out[name] = QuantWeight(tensor, fmt, int(t.shape[0])) if kept else tensor
+    return out
+
+
+def _hf_name(gguf: Path, name: str) -> tuple[str, str | None]:
+    """A GGUF tensor name -> (Hugging Face name, the GGUF layer tensor kind or None)."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name], None
+    blk, layer, kind, suffix = name.split(".")
+    if blk != "blk" or kind not in _LAYER_NAMES or suffix != "weight":
+        raise ValueError(f"{gguf}: unexpected tensor {name}")
+    return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.weight", kind
 
 
 def _hf_config(reader: Any, *, vocab_size: int, hidden_size: int, tied: bool) -> dict[str, Any]:

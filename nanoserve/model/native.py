@@ -34,7 +34,7 @@ from nanoserve.model.loader import cache_root
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = (_CSRC / "attention.cpp", _CSRC / "layers.cpp")
+_SOURCES = (_CSRC / "attention.cpp", _CSRC / "layers.cpp", _CSRC / "quant.cpp")
 _HEADERS = (_CSRC / "vec.h",)
 STALE_AFTER_S = 30 * 86400
 
