@@ -30,6 +30,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.llm import LLM
 from nanoserve.model import Model, load
+from nanoserve.model.quant import CHOICES
 from nanoserve.sampling import SamplingParams
 from nanoserve.tokenizer import Tokenizer
 
@@ -58,6 +59,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--quantization", default="auto", choices=CHOICES,
+                   help="auto: the GGUF's own blocks; none: float32 (see nanoserve serve)")
     p.add_argument("--pack", choices=("auto", "on", "off"), default="auto",
                    help="pre-packed MKL weights (auto: wherever available)")
     p.add_argument("--profile", action="store_true",
@@ -113,7 +116,7 @@ def single_stream(model: Model, tok: Tokenizer, prompt: list[int], n: int) -> fl
 
 def _load(a: argparse.Namespace) -> tuple[Model, Tokenizer]:
     if a.pack == "auto" or a.model == "stub":
-        return load(a.model, device=a.device, dtype=a.dtype)
+        return load(a.model, device=a.device, dtype=a.dtype, quantization=a.quantization)
     from nanoserve.model.llama import LlamaModel
     from nanoserve.model.loader import resolve_model
 
@@ -167,8 +170,7 @@ def run(a: argparse.Namespace) -> dict[str, float | int]:
           f"{peak / 1e9:.1f} GFLOP/s")
     if a.single_tokens > 1 and a.model != "stub":
         bw = copy_bandwidth()
-        elem = torch.empty((), dtype=getattr(torch, a.dtype)).element_size()
-        weight_bytes = weight_numel(model) * elem
+        weight_bytes = model.weight_bytes()  # type: ignore[attr-defined]  # real weights
         bound = bw / weight_bytes
         single = single_stream(model, tok, reqs[0][0][:32], a.single_tokens)
         result |= {"single_decode_tokens_per_s": round(single, 2),

@@ -24,9 +24,11 @@ class LLM:
         device: str = "cpu",
         dtype: str = "float32",
         stub_eos_prob: float = 0.0,
+        quantization: str = "auto",
         **engine_kwargs: Any,
     ) -> None:
-        m, tok = load(model, device=device, dtype=dtype, stub_eos_prob=stub_eos_prob)
+        m, tok = load(model, device=device, dtype=dtype, stub_eos_prob=stub_eos_prob,
+                      quantization=quantization)
         self.engine = Engine(m, tok, EngineConfig(**engine_kwargs))
 
     @classmethod

@@ -32,6 +32,7 @@ from tqdm import tqdm
 from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine, StepResult
 from nanoserve.model.base import Model
+from nanoserve.model.quant import CHOICES
 from nanoserve.progress import bar
 from nanoserve.sampling import SamplingParams
 from nanoserve.tokenizer import Tokenizer
@@ -187,6 +188,8 @@ def add_parser(sub: Any) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, metavar="N",
                    help="torch CPU threads (recorded in the cost model's machine) [torch's]")
+    p.add_argument("--quantization", default="auto", choices=CHOICES,
+                   help="as nanoserve serve's: auto keeps a GGUF's own blocks [auto]")
     p.add_argument("--model", default="smollm2", help="smollm2, stub, or a model path")
     p.add_argument("--out", default="cost.json", metavar="COST.json")
     p.add_argument("--reps", type=int, default=5, help="timed steps per grid point [5]")
@@ -208,7 +211,7 @@ def run_profile(a: argparse.Namespace) -> int:
 
     from nanoserve.model import load
 
-    model, tok = load(a.model)
+    model, tok = load(a.model, quantization=a.quantization)
     grid = QUICK_GRID if a.quick else GRID
     if a.clock == "cpu" and torch_threads() != 1:
         raise ValueError("--clock cpu needs --threads 1: other threads' work is not counted")

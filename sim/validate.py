@@ -31,6 +31,7 @@ import trio
 from nanoserve.clock import LiveClock
 from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine, StepResult
+from nanoserve.model.quant import CHOICES
 from nanoserve.model.stub import StubModel
 from nanoserve.progress import bar
 from nanoserve.sampling import ParamError, SamplingParams
@@ -165,6 +166,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--cost", required=True, metavar="COST.json")
     p.add_argument("--threads", type=int, metavar="N",
                    help="torch CPU threads (recorded in the cost model's machine) [torch's]")
+    p.add_argument("--quantization", default="auto", choices=CHOICES,
+                   help="as nanoserve serve's: auto keeps a GGUF's own blocks [auto]")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--runs", type=int, default=3, help="measured runs [3]")
     p.add_argument("--warmup", type=float, default=0.0,
@@ -192,7 +195,7 @@ def run_validate(a: argparse.Namespace) -> int:
     cost = load_cost_model(a.cost)
     base = engine_config(a.engine)
     config = dataclasses.replace(base, num_blocks=default_num_blocks(cost, base))
-    model, tok = load(a.model)
+    model, tok = load(a.model, quantization=a.quantization)
     workload = spec_workload(parse_load_spec(a.load), tok, tok.vocab_size)
     predicted = flat(predict(workload, cost, tok, config, a.warmup))
     runs: list[dict[str, Any]] = []

@@ -144,6 +144,16 @@ class LlamaModel:
         return cls(load_model_config(Path(folder)), load_weights(folder), device=device,
                    dtype=dtype, pack_weights=pack_weights)
 
+    def weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads: every projection and the LM head, in
+        whatever form they are held (quantized blocks or float32), and the norms."""
+        projs = [self.lm_head, *(p for ly in self.layers
+                                 for p in (ly.qkv, ly.o, ly.gate_up, ly.down))]
+        total = sum(p.weight.blocks.nbytes if isinstance(p, QuantProj)
+                    else p.weight.nbytes for p in projs)
+        norms = [self.norm, *(t for ly in self.layers for t in (ly.attn_norm, ly.mlp_norm))]
+        return total + sum(t.nbytes for t in norms)
+
     # ---- KV cache -------------------------------------------------------------------------
 
     def kv_bytes_per_block(self, block_size: int) -> int:

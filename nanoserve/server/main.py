@@ -36,6 +36,7 @@ from nanoserve.clock import LiveClock
 from nanoserve.config import ConfigError, EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.model import kv_geometry
+from nanoserve.model.quant import CHOICES
 from nanoserve.server import hypercorn_fixes
 from nanoserve.server.app import create_app, drain
 from nanoserve.server.recording import Recorder
@@ -67,6 +68,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     a("--served-model-name", default=None, help="the name clients use (default: --model)")
     a("--device", default="cpu")
     a("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    a("--quantization", default="auto", choices=CHOICES,
+      help="auto: a GGUF's own Q4_0/Q4_1/Q8_0 blocks; none: float32; q8_0/q4_0/q4_1: that "
+      "format for every matrix [auto]")
     a("--block-size", type=int, default=16)
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--num-blocks", type=int, default=None)
@@ -139,7 +143,8 @@ async def _serve(
         from nanoserve.model import load
 
         log.info("loading model %s (device %s, dtype %s)", a.model, a.device, a.dtype)
-        model, tokenizer = load(a.model, device=a.device, dtype=a.dtype)
+        model, tokenizer = load(a.model, device=a.device, dtype=a.dtype,
+                                quantization=a.quantization)
         return Engine(model, tokenizer, cfg)
 
     stop_requested, hurry, stop_serving, served = (trio.Event() for _ in range(4))
