@@ -8,9 +8,10 @@ a token belongs to (model/attention.py).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -124,6 +125,13 @@ class LlamaModel:
                 gate_up=proj("mlp.gate_proj", "mlp.up_proj"),
                 down=proj("mlp.down_proj"),
             ))
+        # A decode-only step runs every layer in one native call (csrc/stack.cpp) when every
+        # projection is quantized in one format and decode attention is native: the same
+        # kernels in the same order, without 300 calls from Python.
+        formats = {p.weight.format if isinstance(p, QuantProj) else None
+                   for ly in self.layers for p in (ly.qkv, ly.o, ly.gate_up, ly.down)}
+        self.stack_format = (next(iter(formats)) if len(formats) == 1 and None not in formats
+                             and self.native_attention else None)
         # RoPE angles for every position, once: pos * theta^(-2i/D) in float32 (the product
         # is exact to one rounding, as in the reference), duplicated for rotate_half.
         d = config.head_dim
@@ -218,13 +226,19 @@ class LlamaModel:
             plan = self._plan(batch)
             eps = self.config.rms_norm_eps
             x = self._embed(plan.input_ids)  # [T, hidden], the residual stream
-            h = ops.rms_norm(x, self.layers[0].attn_norm, eps, native=nat)
-            for i, layer in enumerate(self.layers):
-                a = self._attention(layer, h, cache[i, 0], cache[i, 1], plan)
-                h = ops.add_rms_norm(x, a, layer.mlp_norm, eps, native=nat)  # x += a
-                m = layer.down(ops.silu_mul(layer.gate_up(h), native=nat))
-                if i + 1 < len(self.layers):
-                    h = ops.add_rms_norm(x, m, self.layers[i + 1].attn_norm, eps, native=nat)
+            ap = plan.attention
+            if (self.stack_format is not None and ap.native is not None and not ap.groups
+                    and not ap.prefills):
+                m = self._decode_stack(x, plan)
+            else:
+                h = ops.rms_norm(x, self.layers[0].attn_norm, eps, native=nat)
+                for i, layer in enumerate(self.layers):
+                    a = self._attention(layer, h, cache[i, 0], cache[i, 1], plan)
+                    h = ops.add_rms_norm(x, a, layer.mlp_norm, eps, native=nat)  # x += a
+                    m = layer.down(ops.silu_mul(layer.gate_up(h), native=nat))
+                    if i + 1 < len(self.layers):
+                        h = ops.add_rms_norm(x, m, self.layers[i + 1].attn_norm, eps,
+                                             native=nat)
             # The last residual add, final norm and LM head only where logits are wanted:
             # an unfinished prefill chunk needs none, and the head is the largest matrix.
             idx = plan.logits_indices
@@ -233,6 +247,25 @@ class LlamaModel:
         # sampler may then scale or mask them in place (inference tensors forbid that).
         with torch.no_grad():
             return self.lm_head(h).float()  # [R, vocab]
+
+    def _decode_stack(self, x: torch.Tensor, plan: _Plan) -> torch.Tensor:
+        """Every layer of a decode-only step in one native call; returns the last MLP
+        output (x, the residual, is updated in place as the layer loop updates it)."""
+        c, n = self.config, plan.attention.native
+        assert n is not None
+        assert self.stack_format is not None
+
+        def blocks(get: Callable[[_Layer], Proj | QuantProj]) -> list[torch.Tensor]:
+            return [cast(QuantProj, get(ly)).weight.blocks for ly in self.layers]
+
+        m: torch.Tensor = torch.ops.nanoserve.decode_stack(
+            x, [ly.attn_norm for ly in self.layers], blocks(lambda ly: ly.qkv),
+            blocks(lambda ly: ly.o), [ly.mlp_norm for ly in self.layers],
+            blocks(lambda ly: ly.gate_up), blocks(lambda ly: ly.down), self.stack_format,
+            self._cache(), plan.cos, plan.sin, plan.positions, plan.slot_mapping, n.rows,
+            n.block_tables, n.context_lens, self.block_size, c.num_heads, c.num_kv_heads,
+            c.head_dim, c.head_dim**-0.5, c.rms_norm_eps)
+        return m
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed_q is not None:

@@ -23,6 +23,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels.h"
 #include "vec.h"
 
 namespace {
@@ -97,6 +98,10 @@ void attend(const float* __restrict q, const float* __restrict k_cache,
   }
 }
 
+}  // namespace
+
+namespace nanoserve {
+
 void paged_decode_attention(
     const at::Tensor& q,             // [T, H, D]: every token of the step
     const at::Tensor& k_cache,       // [slots, KV, D]: one layer's keys
@@ -168,7 +173,7 @@ void paged_decode_attention(
   });
 }
 
-}  // namespace
+}  // namespace nanoserve
 
 TORCH_LIBRARY_FRAGMENT(nanoserve, m) {
   m.def(
@@ -178,5 +183,5 @@ TORCH_LIBRARY_FRAGMENT(nanoserve, m) {
 }
 
 TORCH_LIBRARY_IMPL(nanoserve, CPU, m) {
-  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_decode_attention", &nanoserve::paged_decode_attention);
 }

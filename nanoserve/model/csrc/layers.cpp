@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kernels.h"
 #include "vec.h"
 
 namespace {
@@ -81,6 +82,10 @@ void norm_rows(const at::Tensor& x, const at::Tensor* delta, const at::Tensor& w
     }
   });
 }
+
+}  // namespace
+
+namespace nanoserve {
 
 void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, const at::Tensor& out) {
   norm_rows(x, nullptr, weight, eps, out);
@@ -191,7 +196,7 @@ void silu_mul(const at::Tensor& gate_up, const at::Tensor& out) {
   });
 }
 
-}  // namespace
+}  // namespace nanoserve
 
 TORCH_LIBRARY_FRAGMENT(nanoserve, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
@@ -203,8 +208,8 @@ TORCH_LIBRARY_FRAGMENT(nanoserve, m) {
 }
 
 TORCH_LIBRARY_IMPL(nanoserve, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm", &add_rms_norm);
-  m.impl("rope_store", &rope_store);
-  m.impl("silu_mul", &silu_mul);
+  m.impl("rms_norm", &nanoserve::rms_norm);
+  m.impl("add_rms_norm", &nanoserve::add_rms_norm);
+  m.impl("rope_store", &nanoserve::rope_store);
+  m.impl("silu_mul", &nanoserve::silu_mul);
 }

@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels.h"
 #include "vec.h"
 
 #if defined(__AVX512F__) && defined(__F16C__)
@@ -287,6 +288,10 @@ void check_blocks(const at::Tensor& blocks, int64_t K, const std::string& format
               "quant: blocks must be contiguous uint8 [N, K / 32 * ", block_bytes(format), "]");
 }
 
+}  // namespace
+
+namespace nanoserve {
+
 void quant_linear(const at::Tensor& x, const at::Tensor& blocks, const std::string& format,
                   const at::Tensor& out) {
   const int64_t K = x.size(1);
@@ -319,7 +324,7 @@ void dequantize(const at::Tensor& blocks, const std::string& format, const at::T
   }
 }
 
-}  // namespace
+}  // namespace nanoserve
 
 TORCH_LIBRARY_FRAGMENT(nanoserve, m) {
   m.def("quant_linear(Tensor x, Tensor blocks, str format, Tensor(a!) out) -> ()");
@@ -327,6 +332,6 @@ TORCH_LIBRARY_FRAGMENT(nanoserve, m) {
 }
 
 TORCH_LIBRARY_IMPL(nanoserve, CPU, m) {
-  m.impl("quant_linear", &quant_linear);
-  m.impl("dequantize", &dequantize);
+  m.impl("quant_linear", &nanoserve::quant_linear);
+  m.impl("dequantize", &nanoserve::dequantize);
 }

@@ -1,0 +1,33 @@
+// nanoserve's CPU kernels as C++ functions, for kernels that call kernels (stack.cpp) without
+// a round trip through Python and the dispatcher. Each is also a torch.ops.nanoserve op.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+
+namespace nanoserve {
+
+// layers.cpp
+void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, const at::Tensor& out);
+void add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
+                  double eps, const at::Tensor& out);
+void rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                const at::Tensor& positions, const at::Tensor& slot_mapping,
+                const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& q_out,
+                const at::Tensor& k_out);
+void silu_mul(const at::Tensor& gate_up, const at::Tensor& out);
+
+// attention.cpp
+void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& rows,
+                            const at::Tensor& block_tables, const at::Tensor& context_lens,
+                            int64_t block_size, double scale, const at::Tensor& out);
+
+// quant.cpp
+void quant_linear(const at::Tensor& x, const at::Tensor& blocks, const std::string& format,
+                  const at::Tensor& out);
+void dequantize(const at::Tensor& blocks, const std::string& format, const at::Tensor& out);
+
+}  // namespace nanoserve
