@@ -67,3 +67,10 @@ guidellm-setup: setup
 # prompts and 64 output tokens: its TTFT, ITL and throughput (flags: --model, --streams, ...).
 bench-guidellm *args: guidellm-setup
     {{py}} -m sim.bench_guidellm {{args}}
+
+# nanoserve beside llama.cpp on the same GGUF: llama-bench, llama-batched-bench, and
+# llama-server against nanoserve serve (sim bench at 1 and 16 streams; GuideLLM too once
+# `just guidellm-setup` has run). The first run builds llama.cpp from the llama-cpp-python
+# sdist on PyPI (about 7 minutes on 2 cores), cached after. Flags: --rounds, --n16, ...
+bench-llamacpp *args: setup
+    {{py}} -m sim.bench_llamacpp {{args}}

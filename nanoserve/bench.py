@@ -174,6 +174,7 @@ def run(a: argparse.Namespace) -> dict[str, float | int]:
         bound = bw / weight_bytes
         single = single_stream(model, tok, reqs[0][0][:32], a.single_tokens)
         result |= {"single_decode_tokens_per_s": round(single, 2),
+                   "weight_mbytes": round(weight_bytes / 1e6, 1),
                    "copy_gbytes_per_s": round(bw / 1e9, 2),
                    "bandwidth_bound_tokens_per_s": round(bound, 2),
                    "bound_over_single": round(bound / single, 2)}
