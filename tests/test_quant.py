@@ -40,7 +40,7 @@ def test_dequantize_is_bit_exact_with_gguf_py(fmt: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", sorted(BLOCK_BYTES))
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 16, 33])  # both kernels, remainders
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 16, 33, 130])  # every path, remainders
 def test_linear_is_a_matmul_over_the_same_values(fmt: str, rows: int) -> None:
     g = torch.Generator().manual_seed(rows)
     w = quantize(torch.randn(83, 160, generator=g), fmt)  # 83: not a multiple of 4

@@ -28,7 +28,7 @@ from nanoserve.model.attention import (
 from nanoserve.model.base import ForwardBatch, ModelConfig
 from nanoserve.model.linear import Proj, mkl_packing_available
 from nanoserve.model.loader import load_model_config
-from nanoserve.model.quant import QuantProj, QuantWeight
+from nanoserve.model.quant import QuantProj, QuantWeight, Scratch
 
 
 @dataclass(slots=True)
@@ -93,13 +93,15 @@ class LlamaModel:
             t = t.dequantize() if isinstance(t, QuantWeight) else t
             return t.to(device=self.device, dtype=dtype)
 
+        scratch = Scratch()  # what large batches dequantize a weight into, shared
+
         def make_proj(parts: list[torch.Tensor | QuantWeight]) -> Proj | QuantProj:
             """Several weights fused along the output: quantized where all share a format
             that runs here, else float32."""
             if self.quantized and all(isinstance(q, QuantWeight) for q in parts) and len(
                     {q.format for q in parts if isinstance(q, QuantWeight)}) == 1:
                 return QuantProj(QuantWeight.cat([q for q in parts
-                                                  if isinstance(q, QuantWeight)]))
+                                                  if isinstance(q, QuantWeight)]), scratch)
             dense = [q.dequantize() if isinstance(q, QuantWeight) else q for q in parts]
             return Proj(torch.cat(dense).to(device=self.device, dtype=dtype), pack=pack_weights)
 
