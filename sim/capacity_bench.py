@@ -25,7 +25,7 @@ from sim.fleet import simulate
 from sim.load_spec import parse_load_spec
 
 # A plausible CPU step law for when no measured model is given (SmolLM2-like magnitudes).
-SYNTHETIC = CostModel((0.03, 2e-4, 1e-3, 3e-3, 1e-6, 1e-8, 5e-3), name="synthetic-bench")
+SYNTHETIC = CostModel((0.03, 2e-4, 1e-3, 3e-3, 1e-6, 1e-8, 5e-3, 0.0), name="synthetic-bench")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,10 @@ counts, each with a physical reason:
             + g * batched                (1 when the step multiplies two or more rows by
                                           the weights: a packed gemm, where one row is a
                                           gemv; on this CPU 60 ms at one row, 75 at two)
+            + h * tile_rows              (the step's rows when quantized weights multiply
+                                          them in nanoserve's tile kernel: more than fit in
+                                          registers, fewer than pay for a dequantized
+                                          sgemm; a row there costs more than on either side)
 
 The coefficients are fitted by least squares on relative error (each sample weighted by
 1 / its time), since a 5 ms step predicted 5 ms off matters as much as a 500 ms one predicted
@@ -29,21 +33,24 @@ from pathlib import Path
 from typing import Any
 
 from nanoserve.engine import StepResult
+from nanoserve.model.quant import DENSE_FROM_ROWS, REGISTER_ROWS
 
 FEATURES = ("const", "prefill_tokens", "prefill_seqs", "decode_seqs", "decode_context",
-            "prefill_attention", "batched")
-# Format 2 added `batched`. A format-1 file is the same law without it, so it still loads,
-# with that coefficient 0.
-COST_FORMAT = 2
-_FORMATS = {1: FEATURES[:6], 2: FEATURES}
+            "prefill_attention", "batched", "tile_rows")
+# Format 2 added `batched`, format 3 `tile_rows`. An older file is the same law without
+# them, so it still loads, with those coefficients 0.
+COST_FORMAT = 3
+_FORMATS = {1: FEATURES[:6], 2: FEATURES[:7], 3: FEATURES}
 
 
 def step_features(r: StepResult) -> tuple[float, ...]:
     """The step's work counts, in FEATURES order."""
     rows = r.num_prefill_tokens + r.num_decode_tokens  # rows through the weight multiplies
+    # Counted for every model; a float32 one's fit gives it a coefficient near 0.
+    tile = rows if REGISTER_ROWS < rows < DENSE_FROM_ROWS else 0
     return (1.0, float(r.num_prefill_tokens), float(r.num_prefill_seqs),
             float(r.num_decode_tokens), float(r.decode_context), float(r.prefill_attention),
-            1.0 if rows >= 2 else 0.0)
+            1.0 if rows >= 2 else 0.0, float(tile))
 
 
 @dataclass(frozen=True, slots=True)

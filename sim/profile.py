@@ -220,8 +220,9 @@ def run_profile(a: argparse.Namespace) -> int:
     points = measure_grid(model, tok, grid, reps=a.reps, timer=timer,
                           log=lambda s: tqdm.write(s, file=sys.stderr), progress=not a.quiet)
     bs = 16
+    machine = {**machine_info(), "clock": a.clock, "quantization": a.quantization}
     cost = fit_profile(points, name=a.name or Path(a.out).name, model=a.model,
-                       machine={**machine_info(), "clock": a.clock}, block_size=bs, grid=grid,
+                       machine=machine, block_size=bs, grid=grid,
                        kv_bytes_per_token=model.kv_bytes_per_block(bs) // bs)
     cost.save(a.out)
     f = cost.fit

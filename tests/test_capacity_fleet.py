@@ -33,7 +33,7 @@ from sim.load_spec import parse_load_spec
 from sim.trace import write_trace
 from sim.validate import COMPARED, drive_bridge, predict
 
-COST = CostModel((0.01, 1e-4, 5e-4, 2e-3, 2e-6, 1e-8, 0.0), name="synthetic")
+COST = CostModel((0.01, 1e-4, 5e-4, 2e-3, 2e-6, 1e-8, 0.0, 0.0), name="synthetic")
 
 
 @pytest.fixture(scope="module")

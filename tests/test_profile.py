@@ -17,7 +17,7 @@ from sim.cli import main
 from sim.cost import FEATURES, CostModel, fit_coefficients, load_cost_model, step_features
 from sim.profile import QUICK_GRID, fit_profile, measure_grid
 
-LAW = (0.02, 1.5e-4, 3e-3, 2.5e-3, 4e-6, 2e-8, 6e-3)  # a known "machine"
+LAW = (0.02, 1.5e-4, 3e-3, 2.5e-3, 4e-6, 2e-8, 6e-3, 4e-4)  # a known "machine"
 
 
 @pytest.fixture(scope="module")
@@ -87,23 +87,25 @@ def test_fit_recovers_a_linear_law_and_holds_out_a_quarter(tok: Tokenizer) -> No
 
 def test_fit_weights_relative_error() -> None:
     # Two regimes no line fits exactly: the fit balances relative, not absolute, error.
-    xs = [(1.0, float(n), 0, 0, 0, 0, 0) for n in (1, 2, 100, 200)]
+    xs = [(1.0, float(n), 0, 0, 0, 0, 0, 0) for n in (1, 2, 100, 200)]
     ys = [0.011, 0.012, 0.2, 0.5]
     coef = fit_coefficients(xs, ys, use=("const", "prefill_tokens"))
     m = CostModel(coef)
     errs = [abs(m.predict(x) - y) / y for x, y in zip(xs, ys, strict=True)]
     assert max(errs[:2]) < 0.35  # an absolute fit would miss the 11 ms steps by 4x
-    assert coef[2:] == (0.0, 0.0, 0.0, 0.0, 0.0)
+    assert coef[2:] == (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
 
 def test_cost_model_prices_a_step_and_round_trips(tmp_path: Path) -> None:
     m = CostModel(LAW, name="law", model="smollm2", machine={"cpu": "x"},
                   kv_bytes_per_token=46080)
     r = StepResult(1, (), (), 100, 8, 2, 800, 5050)
-    assert step_features(r) == (1.0, 100.0, 2.0, 8.0, 800.0, 5050.0, 1.0)
-    assert m(r) == pytest.approx(0.02 + 0.015 + 0.006 + 0.02 + 0.0032 + 1.01e-4 + 0.006)
+    # 108 rows: through the quantized tile kernel (more than 8, fewer than 128).
+    assert step_features(r) == (1.0, 100.0, 2.0, 8.0, 800.0, 5050.0, 1.0, 108.0)
+    assert m(r) == pytest.approx(0.02 + 0.015 + 0.006 + 0.02 + 0.0032 + 1.01e-4 + 0.006
+                                 + 0.0432)
     one = StepResult(2, (), (), 0, 1, 0, 200, 0)  # a lone decode row: the gemv, no `batched`
-    assert step_features(one) == (1.0, 0.0, 0.0, 1.0, 200.0, 0.0, 0.0)
+    assert step_features(one) == (1.0, 0.0, 0.0, 1.0, 200.0, 0.0, 0.0, 0.0)
     assert m(one) == pytest.approx(0.02 + 0.0025 + 0.0008)
     assert m.kv_gib(1024) == pytest.approx(1024 * 16 * 46080 / 2**30)
     path = tmp_path / "c.json"
@@ -116,18 +118,32 @@ def test_cost_model_prices_a_step_and_round_trips(tmp_path: Path) -> None:
         load_cost_model(path)
     with pytest.raises(ValueError, match="not a nanoserve cost model"):
         CostModel.from_dict({"coef": {}})
-    assert CostModel((-1.0, 0, 0, 0, 0, 0, 0)).predict((1, 0, 0, 0, 0, 0, 0)) == 0.0
+    assert CostModel((-1.0, 0, 0, 0, 0, 0, 0, 0)).predict((1, 0, 0, 0, 0, 0, 0, 0)) == 0.0
 
 
-def test_a_format_1_cost_model_loads_without_the_batched_term(tmp_path: Path) -> None:
+def test_older_cost_models_load_without_the_newer_terms(tmp_path: Path) -> None:
     d = CostModel(LAW, name="law").to_dict()
-    assert d["nanoserve_cost_model"] == 2
+    assert d["nanoserve_cost_model"] == 3
+    d["nanoserve_cost_model"] = 2
+    del d["coef"]["tile_rows"]
+    assert CostModel.from_dict(d).coef == LAW[:7] + (0.0,)
     d["nanoserve_cost_model"] = 1
     del d["coef"]["batched"]
-    assert CostModel.from_dict(d).coef == LAW[:6] + (0.0,)
+    assert CostModel.from_dict(d).coef == LAW[:6] + (0.0, 0.0)
     d["coef"]["batched"] = 1.0  # format 1 never had it: a file that says 1 but has it is wrong
     with pytest.raises(ValueError, match="format 1 coef must have exactly the keys"):
         CostModel.from_dict(d)
+
+
+@pytest.mark.parametrize(("prefill", "decode", "tile"), [
+    (0, 1, 0), (0, 8, 0), (0, 9, 9), (32, 32, 64), (96, 31, 127), (96, 32, 0), (448, 0, 0)])
+def test_tile_rows_are_the_rows_between_the_register_and_the_dense_paths(
+        prefill: int, decode: int, tile: int) -> None:
+    # The bands of nanoserve/model/quant.py: up to 8 rows in registers, from 128 the
+    # dequantized sgemm; a step's rows in between cost more each (profiled: 3.8 ms a row
+    # on one thread against 2.6-3.0 on either side, SmolLM2 Q4_1).
+    r = StepResult(1, (), (), prefill, decode, 1 if prefill else 0, 0, 0)
+    assert dict(zip(FEATURES, step_features(r), strict=True))["tile_rows"] == tile
 
 
 def test_profile_cli_writes_the_machine_and_the_held_out_error(

@@ -75,6 +75,10 @@ def quantize(weight: torch.Tensor, fmt: str) -> QuantWeight:
 # 110-134 against 112-131, 128 rows 116-134 against 131-156, 512 rows 130-135 against
 # 159-191 (for the 3072x576, 576x1536 and 960x576 projections).
 DENSE_FROM_ROWS = 128
+# Up to this many rows the kernel dequantizes the weights in registers (csrc/quant.cpp's
+# kRegisterRows); between it and DENSE_FROM_ROWS, four weight rows at a time into L1. The
+# cost model (sim/cost.py) prices a row in that middle band apart.
+REGISTER_ROWS = 8
 
 
 class Scratch:

@@ -53,7 +53,7 @@ constexpr int64_t kTile = 4;  // weight rows dequantized together
 // 30 layers at 1-8 rows, against 9-20 ms for the other way), above it four
 // weight rows at a time into L1 for a 4x4 float32 micro-kernel (36 against 39 ms at 16
 // rows, 57 against 80 at 32, 109 against 164 at 64).
-constexpr int64_t kRegisterRows = 8;
+constexpr int64_t kRegisterRows = 8;  // quant.py's REGISTER_ROWS (the cost model's bands)
 
 // IEEE half -> float, exactly (normal, subnormal, zero, inf, nan).
 inline float half_to_float(const uint8_t* p) {
