@@ -24,11 +24,11 @@ from nanoserve.config import EngineConfig
 from nanoserve.detokenizer import IncrementalDetokenizer
 from nanoserve.kv import BlockPool, KVManager
 from nanoserve.model.base import ForwardBatch, Model
-from nanoserve.model.stub import _mix
 from nanoserve.request import FinishReason, Request, Status, Update
 from nanoserve.sampler import SampleOutput, SamplingRow, sample
 from nanoserve.sampling import ParamError, SamplingParams
 from nanoserve.scheduler import Scheduler
+from nanoserve.seeds import mix64
 from nanoserve.tokenizer import Tokenizer
 
 
@@ -163,7 +163,7 @@ class Engine:
         # number): its draws then do not depend on the schedule, and a replay repeats them.
         seed = params.seed
         if seed is None:
-            seed = _mix(self.config.seed ^ _mix(self._admitted))
+            seed = mix64(self.config.seed ^ mix64(self._admitted))
         req = Request(
             request_id=rid,
             prompt_ids=prepared.prompt_ids,
@@ -212,7 +212,7 @@ class Engine:
         group_params = self._group_params[parent.group]
         for i in range(1, parent.pending_children + 1):
             params = group_params.child(i)  # seed + i when seeded
-            seed = params.seed if params.seed is not None else _mix(parent.seed ^ _mix(i))
+            seed = params.seed if params.seed is not None else mix64(parent.seed ^ mix64(i))
             child = Request(
                 request_id=f"{parent.group}#{i}",
                 prompt_ids=parent.prompt_ids,

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve.sampling import SamplingParams
+from nanoserve.seeds import MASK64, mix64
 
-_MASK64 = (1 << 64) - 1
 _NEG_INF = float("-inf")
 _TOP_P_CANDIDATES = 1024  # see apply_top_p
 
@@ -58,18 +58,10 @@ class SampleOutput:
     logprobs: list[TokenLogprobs | None]
 
 
-def _mix64(x: int) -> int:
-    """splitmix64's finaliser: a bijection on 64-bit ints that spreads every input bit."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
 def row_uniform(seed: int, token_index: int) -> float:
     """The one uniform in [0, 1) that the draw of (seed, token_index) uses."""
     # mix(seed) ^ index, mixed again: for one seed, distinct indexes give distinct hashes.
-    h = _mix64(_mix64(seed & _MASK64) ^ (token_index & _MASK64))
+    h = mix64(mix64(seed & MASK64) ^ (token_index & MASK64))
     return (h >> 11) * 2.0**-53  # 53 bits: exactly representable, and always < 1
 
 

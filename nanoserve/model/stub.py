@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from nanoserve.model.base import ForwardBatch, ModelConfig
+from nanoserve.seeds import MASK64, mix64, mix64_array
 from nanoserve.tokenizer import Tokenizer
 
 _CORPUS = (
@@ -31,29 +32,12 @@ _CORPUS = (
     "Emoji: 😀 🎉 👍🏽 👩‍💻 👨‍👩‍👧‍👦 🇯🇵 ❤️ — café, naïve, Ærøskøbing, Straße. "
     "def step(self):\n    return self.schedule()\n"
 )
-_MASK = (1 << 64) - 1
 _NUM_CANDIDATES = 6
 # From this many rows pick_greedy hashes them as uint64 arrays (numpy wraps at 2**64, as
 # the masks do); below, the per-row Python loop is cheaper than the array set-up.
 _VECTOR_ROWS = 8
 _TAIL = 4  # history tokens the hash reads
 STUB_CONTEXT = 8192  # the stub's context length, as SmolLM2's
-
-
-def _mix(x: int) -> int:
-    """splitmix64's finaliser: a cheap, well-spread 64-bit hash of an int."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
-    return x ^ (x >> 31)
-
-
-def _mix_array(x: np.ndarray) -> np.ndarray:
-    """`_mix` over a uint64 array."""
-    x = x + np.uint64(0x9E3779B97F4A7C15)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
 
 
 class StubModel:
@@ -116,11 +100,12 @@ class StubModel:
 
     @staticmethod
     def _hash(length: int, tail: Sequence[int], seed: int) -> int:
-        # _mix(_mix(... _mix(seed) ^ length) ^ t ...), with _mix inlined: this runs once
-        # per simulated token, millions of times in a capacity sweep.
-        m = _MASK
+        # mix64(mix64(... mix64(seed) ^ length) ^ t ...) with mix64 inlined (a test holds
+        # it to nanoserve.seeds): this runs once per simulated token, millions of times in
+        # a capacity sweep.
+        m = MASK64
         h = seed & m
-        for x in (0, length, *tail):  # the first round is _mix(seed ^ 0)
+        for x in (0, length, *tail):  # the first round is mix64(seed ^ 0)
             h ^= x & m
             h = (h + 0x9E3779B97F4A7C15) & m
             h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & m
@@ -142,7 +127,7 @@ class StubModel:
             out.append(follow)
         x = h
         while len(out) < _NUM_CANDIDATES:
-            x = _mix(x)
+            x = mix64(x)
             t = pool[x % len(pool)]
             if t not in out:
                 out.append(t)
@@ -157,7 +142,7 @@ class StubModel:
         if follow is not None and (h >> 32) % 4 != 0:
             return follow
         pool = self._vocab_pool
-        return pool[_mix(h) % len(pool)]
+        return pool[mix64(h) % len(pool)]
 
     def pick_greedy(self, batch: ForwardBatch) -> list[int]:
         """The argmax of each row `forward` would return, without building [R, vocab]
@@ -175,17 +160,18 @@ class StubModel:
     def _top_array(self, batch: ForwardBatch, rows: list[tuple[int, int]]) -> list[int]:
         """`_top` for every row at once (each row with a full tail of four tokens)."""
         n = len(rows)
-        h = np.fromiter((batch.seeds[r] & _MASK for r, _ in rows), dtype=np.uint64, count=n)
+        h = np.fromiter((batch.seeds[r] & MASK64 for r, _ in rows), dtype=np.uint64, count=n)
         lengths = np.fromiter((upto for _, upto in rows), dtype=np.uint64, count=n)
         tails = np.array([batch.histories[r][upto - _TAIL : upto] for r, upto in rows],
                          dtype=np.uint64).reshape(n, _TAIL)
-        h = _mix_array(h)  # the first round mixes in 0
-        h = _mix_array(h ^ lengths)
+        h = mix64_array(h)  # the first round mixes in 0
+        h = mix64_array(h ^ lengths)
         for k in range(_TAIL):
-            h = _mix_array(h ^ tails[:, k])
+            h = mix64_array(h ^ tails[:, k])
         follow = self._next_array[tails[:, -1].astype(np.int64)]
         take_follow = (follow >= 0) & ((h >> np.uint64(32)) % np.uint64(4) != 0)
-        pool = self._pool_array[(_mix_array(h) % np.uint64(len(self._pool_array))).astype(np.int64)]
+        picks = mix64_array(h) % np.uint64(len(self._pool_array))
+        pool = self._pool_array[picks.astype(np.int64)]
         out = np.where(take_follow, follow, pool)
         out = np.where((h & np.uint64(0xFFFFFFFF)) < np.uint64(self._eos_cut), self._eos, out)
         return [int(t) for t in out]
