@@ -15,10 +15,11 @@ serve *args: setup
 test *args: setup guidellm-setup
     {{py}} -m pytest -q -p no:cacheprovider {{args}}
 
-# ruff and mypy, both clean.
+# ruff, mypy and the layering contracts (import-linter, pyproject.toml), all clean.
 lint: setup
     .venv/bin/ruff check nanoserve sim tests scripts
     .venv/bin/mypy
+    .venv/bin/lint-imports
 
 # Offline throughput beside the Hugging Face peer, in one run on this machine (nanoserve's
 # line also gives the fraction of a 2048 mm's FLOP/s and batch-1 decode vs the bandwidth bound).

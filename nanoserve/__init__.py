@@ -1,20 +1,27 @@
 """nanoserve: an LLM inference server written from scratch, and the simulator that runs it.
 
-Layers, top to bottom; a module imports only from layers below it (DESIGN.md):
+Layers, top to bottom; a module imports only from layers below it (DESIGN.md). The
+contracts in pyproject.toml (import-linter: `just lint`, tests/test_layers.py) check it:
 
+    cli           `nanoserve serve | generate | bench`
     server/       HTTP: OpenAI routes, SSE, metrics (Quart-Trio on Hypercorn)
     serving       AsyncEngine, the Trio bridge: inbox, loop task, per-request channels
+    clock         step, live and virtual clocks: how the bridge turns a step into seconds
+    bench, llm    the offline benchmark; LLM, the offline API
     engine        Engine.step(): schedule -> execute -> sample -> update (sync, no clock)
     batch         a schedule -> the step's ForwardBatch; prompt-logprob rows; work counts
     scheduler     token-budget continuous batching, chunked prefill, preemption
     kv            block pool, ref counts, prefix hashes, block tables (pure Python)
-    sampling      SamplingParams; sampler: batched tensor functions, per-row generators
+    outputs       RequestOutput, what LLM.generate returns
+    request       a request's state and its updates
     detokenizer   incremental detokenizer with stop strings and hold-back
+    sampler       batched tensor functions, per-row generators
+    sampling      SamplingParams, validated
     model/        Llama forward over a paged KV cache; the stub; weight + tokenizer loading
-    clock         step, live and virtual clocks
+    tokenizer, seeds, config, progress
 
 `sim/` imports nanoserve, never the reverse. Nothing at or below `engine` imports trio,
-HTTP, or reads the wall clock.
+HTTP, or reads the wall clock; no package has an import cycle.
 """
 
 from __future__ import annotations

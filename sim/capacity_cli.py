@@ -13,11 +13,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import sys
 from pathlib import Path
 from typing import Any
 
-from nanoserve.config import EngineConfig
 from nanoserve.model.loader import resolve_model
 from nanoserve.progress import LabelledProgress
 from nanoserve.tokenizer import Tokenizer
@@ -25,37 +23,15 @@ from sim.capacity import Plan, Planner, default_num_blocks
 from sim.capacity_load import Workload, spec_workload, trace_workload
 from sim.capacity_metrics import parse_slo
 from sim.capacity_report import build_report, dumps_report, table, write_csv, write_plots
+from sim.cli_util import ENGINE_KEYS, engine_config, guarded
 from sim.cost import load_cost_model
 from sim.fleet import ROUTERS
 from sim.load_spec import parse_load_spec
 
 SWEEPABLE = ("rate", "num_blocks", "max_num_seqs")
-ENGINE_KEYS = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
-               "prefix_caching", "max_model_len", "seed", "kv_cache_memory")
 
 
-def add_parsers(sub: Any) -> None:
-    _add_capacity(sub)
-    from sim import profile, validate  # their own flags live with them
-
-    profile.add_parser(sub)
-    validate.add_parser(sub)
-
-
-def guarded(run: Any) -> Any:
-    """`run(args)` as a `main`: a bad spec, flag or path is one line and exit status 2."""
-
-    def main(a: argparse.Namespace) -> int:
-        try:
-            return int(run(a))
-        except (ValueError, OSError) as exc:
-            print(f"sim {a.cmd}: {exc}", file=sys.stderr)
-            return 2
-
-    return main
-
-
-def _add_capacity(sub: Any) -> None:
+def add_parser(sub: Any) -> None:
     p = sub.add_parser("capacity", help="sweep rates / pool sizes / batch limits on the "
                        "engine in modelled time, and search the highest rate meeting an SLO",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -105,16 +81,6 @@ def parse_sweeps(items: list[str]) -> dict[str, list[float]]:
             raise ValueError(f"--sweep {key}: values must be integers, got {values!r}")
         out[key] = vals
     return out
-
-
-def engine_config(pairs: list[str]) -> EngineConfig:
-    from sim.cli import engine_overrides
-
-    kw = engine_overrides(pairs)
-    bad = sorted(set(kw) - set(ENGINE_KEYS))
-    if bad:
-        raise ValueError(f"--engine {bad[0]}: not an engine setting ({', '.join(ENGINE_KEYS)})")
-    return EngineConfig(**kw)
 
 
 def run_capacity(a: argparse.Namespace) -> int:

@@ -1,17 +1,20 @@
-"""`sim`: the simulator's command line (replay and capacity land in later issues).
+"""`sim`: the simulator's command line; the only module that imports every command.
 
-  sim convert CSV --out TRACE [--limit N] [--start-offset-s X] [--model stub] [--stream]
-              [--seed S] [--engine key=value ...]
-  sim load --out TRACE [--load SPEC] [--n N --arrival KIND --rate R ...] [--engine k=v ...]
+  sim convert CSV --out TRACE     an Azure LLM inference trace CSV -> a virtual-clock trace
+  sim load --out TRACE ...        a synthetic virtual-clock trace (--load SPEC and/or flags)
+  sim bench --url URL ...         an online load client for any OpenAI-compatible server
+  sim replay TRACE ...            replay recorded traces through the real app and check them
+  sim capacity, profile, validate capacity planning: sweeps, the cost model, its check
+  sim soak ...                    hang-up storms and slow readers against a live server
 
 `sim load` takes its spec as one `--load` string, as individual flags, or both (a flag wins
-over the same key in the string); either way one parser reads it (sim.load_spec).
+over the same key in the string); either way one parser reads it (sim.load_spec). What the
+commands share (the error guard, `--engine`) lives in sim.cli_util, which imports none.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,7 +22,8 @@ from typing import Any
 from nanoserve.config import ConfigError
 from nanoserve.model.loader import resolve_model
 from nanoserve.tokenizer import Tokenizer
-from sim import bench_cli, capacity_cli, load_spec, replay_cli, soak
+from sim import bench_cli, capacity_cli, load_spec, profile, replay_cli, soak, validate
+from sim.cli_util import engine_overrides
 from sim.convert import convert_azure, read_azure_csv
 from sim.load import generate_load
 from sim.load_spec import load_spec_from_pairs, split_load_spec
@@ -41,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     _add_load(sub)
     bench_cli.add_parser(sub)
     replay_cli.add_parser(sub)
-    capacity_cli.add_parsers(sub)  # capacity, profile, validate
+    capacity_cli.add_parser(sub)
+    profile.add_parser(sub)
+    validate.add_parser(sub)
     soak.add_parser(sub)
     a = p.parse_args(argv)
     if a.cmd is None:
@@ -100,20 +106,6 @@ def _add_load(sub: Any) -> None:
     p.add_argument("--stream", action="store_const", const="true", help="streaming requests")
     p.add_argument("--note", help="the header's note [sim load SPEC]")
     p.set_defaults(run=_run_load)
-
-
-def engine_overrides(pairs: list[str]) -> dict[str, Any]:
-    """`["block_size=32", "prefix_caching=false"]` -> {"block_size": 32, ...}."""
-    out: dict[str, Any] = {}
-    for pair in pairs:
-        key, eq, raw = pair.partition("=")
-        if not eq or not key:
-            raise ValueError(f"--engine takes key=value, got {pair!r}")
-        try:
-            out[key] = json.loads(raw)
-        except ValueError:
-            out[key] = raw  # a bare string such as a sha256
-    return out
 
 
 def _tokenizer(name: str) -> Tokenizer:

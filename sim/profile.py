@@ -36,6 +36,7 @@ from nanoserve.model.quant import CHOICES
 from nanoserve.progress import bar
 from nanoserve.sampling import SamplingParams
 from nanoserve.tokenizer import Tokenizer
+from sim.cli_util import guarded
 from sim.cost import FEATURES, CostModel, fit_coefficients, relative_errors, step_features
 
 # Decode rows, their context, prompt tokens. Sized for a 2-core CPU: a few minutes.
@@ -200,7 +201,6 @@ def add_parser(sub: Any) -> None:
                    "processes sharing the cores) [wall]")
     p.add_argument("--name", help="the cost model's name [the output file's name]")
     p.add_argument("--quiet", action="store_true", help="no progress bar (shown on a terminal)")
-    from sim.capacity_cli import guarded
 
     p.set_defaults(main=guarded(run_profile))
 

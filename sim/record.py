@@ -53,7 +53,7 @@ from sim.trace import Trace, TraceHeader, TraceRequest, write_trace
 
 if TYPE_CHECKING:
     from nanoserve.engine import Engine
-    from nanoserve.server.state import ServerConfig
+    from nanoserve.server.config import ServerConfig
     from nanoserve.serving import AsyncEngine
 
 log = logging.getLogger("sim.record")

@@ -40,6 +40,7 @@ from sim.calibrate import geometric_mean, machine_speed, scaled, steal_seconds
 from sim.capacity import default_num_blocks, flat
 from sim.capacity_load import SimRequest, Workload, spec_workload
 from sim.capacity_metrics import summarize
+from sim.cli_util import engine_config, guarded
 from sim.cost import CostModel, load_cost_model
 from sim.fleet import Record, SimResult, simulate
 from sim.load_spec import parse_load_spec
@@ -175,7 +176,6 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--engine", nargs="+", action="extend", default=[], metavar="KEY=VALUE")
     p.add_argument("--out", metavar="JSON", help="also write the comparison as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar (shown on a terminal)")
-    from sim.capacity_cli import guarded
 
     p.set_defaults(main=guarded(run_validate))
 
@@ -190,7 +190,6 @@ def predict(workload: Workload, cost: CostModel, tokenizer: Any, config: EngineC
 def run_validate(a: argparse.Namespace) -> int:
     set_threads(a.threads)
     from nanoserve.model import load
-    from sim.capacity_cli import engine_config
 
     cost = load_cost_model(a.cost)
     base = engine_config(a.engine)

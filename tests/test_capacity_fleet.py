@@ -23,9 +23,9 @@ from nanoserve.serving import AsyncEngine
 from nanoserve.tokenizer import Tokenizer
 from sim.calibrate import geometric_mean, scaled
 from sim.capacity import flat
-from sim.capacity_cli import engine_config
 from sim.capacity_load import SimRequest, spec_workload, trace_workload
 from sim.cli import main
+from sim.cli_util import engine_config
 from sim.cost import CostModel
 from sim.fleet import Record, simulate
 from sim.load import generate_load

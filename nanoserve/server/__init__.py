@@ -17,6 +17,7 @@ This layer sits on `serving.AsyncEngine` and never touches the engine while it s
 """
 
 from nanoserve.server.app import create_app, drain, server_state
-from nanoserve.server.state import ServerConfig, counter_ids
+from nanoserve.server.config import ServerConfig
+from nanoserve.server.state import counter_ids
 
 __all__ = ["ServerConfig", "counter_ids", "create_app", "drain", "server_state"]

@@ -30,6 +30,7 @@ from werkzeug.exceptions import HTTPException
 from nanoserve.clock import Clock
 from nanoserve.engine import Engine, StepResult
 from nanoserve.server import admin, openai, openapi, recording
+from nanoserve.server.config import ServerConfig
 from nanoserve.server.errors import ApiError, error_object
 from nanoserve.server.jobs import Registry
 from nanoserve.server.metrics import Metrics
@@ -37,7 +38,7 @@ from nanoserve.server.protocol import protocol
 from nanoserve.server.recording import Recorder
 from nanoserve.server.render import TokenText
 from nanoserve.server.respond import SseBody, json_response
-from nanoserve.server.state import Ready, ServerConfig, ServerState, counter_ids, current_state
+from nanoserve.server.state import Ready, ServerState, counter_ids, current_state
 from nanoserve.serving import AsyncEngine, BridgeStats
 
 log = logging.getLogger("nanoserve.server")

@@ -39,8 +39,8 @@ from nanoserve.model import kv_geometry
 from nanoserve.model.quant import CHOICES
 from nanoserve.server import hypercorn_fixes
 from nanoserve.server.app import create_app, drain
+from nanoserve.server.config import ServerConfig
 from nanoserve.server.recording import Recorder
-from nanoserve.server.state import ServerConfig
 
 log = logging.getLogger("nanoserve.server")
 

@@ -24,8 +24,9 @@ from typing import Any
 from quart import Quart, Response
 
 from nanoserve.server import protocol
+from nanoserve.server.config import ServerConfig
 from nanoserve.server.respond import json_response
-from nanoserve.server.state import ServerConfig, current_state
+from nanoserve.server.state import current_state
 
 Schema = dict[str, Any]
 ERROR_REF = {"$ref": "#/components/schemas/Error"}

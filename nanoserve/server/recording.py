@@ -28,8 +28,8 @@ from nanoserve.serving import BridgeRecorder
 
 if TYPE_CHECKING:
     from nanoserve.engine import Engine
+    from nanoserve.server.config import ServerConfig
     from nanoserve.server.jobs import Job
-    from nanoserve.server.state import ServerConfig
     from nanoserve.serving import AsyncEngine
 
 log = logging.getLogger("nanoserve.server")

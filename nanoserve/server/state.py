@@ -10,6 +10,7 @@ import trio
 from quart import current_app
 
 from nanoserve.engine import Engine
+from nanoserve.server.config import ServerConfig
 from nanoserve.server.errors import ApiError
 from nanoserve.server.jobs import Registry
 from nanoserve.server.metrics import Metrics
@@ -18,18 +19,6 @@ from nanoserve.server.recording import Recorder
 from nanoserve.server.render import TokenText
 from nanoserve.serving import AsyncEngine
 from nanoserve.tokenizer import Tokenizer
-
-
-@dataclass(frozen=True, slots=True)
-class ServerConfig:
-    served_model_name: str
-    # Never in a repr: the config ends up in logs and tracebacks.
-    api_key: str | None = field(default=None, repr=False)
-    max_queue: int | None = None  # waiting requests beyond which a new one gets 429
-    max_body_bytes: int = 16 << 20
-    body_timeout: float | None = 30.0  # seconds to receive a whole request body, else 408
-    chat_template: str | None = None  # overrides the tokenizer's
-    model_root: str | None = None  # what /v1/models reports as the model's source
 
 
 def counter_ids(start: int = 0) -> Callable[[], str]:
