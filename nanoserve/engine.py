@@ -27,7 +27,7 @@ from nanoserve.model.base import ForwardBatch, Model
 from nanoserve.request import FinishReason, Request, Status, Update
 from nanoserve.sampler import SampleOutput, SamplingRow, sample
 from nanoserve.sampling import ParamError, SamplingParams
-from nanoserve.scheduler import Scheduler
+from nanoserve.scheduler import Scheduler, SchedulerFactory
 from nanoserve.seeds import mix64
 from nanoserve.tokenizer import Tokenizer
 
@@ -79,7 +79,10 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, model: Model, tokenizer: Tokenizer, config: EngineConfig | None = None):
+    def __init__(self, model: Model, tokenizer: Tokenizer, config: EngineConfig | None = None,
+                 *, make_scheduler: SchedulerFactory = Scheduler):
+        """`make_scheduler` builds the scheduler over the engine's KV manager: Scheduler
+        itself, or a subclass a harness hands in (sim/faults.py's fails on cue)."""
         config = config or EngineConfig()
         self.model = model
         self.tokenizer = tokenizer
@@ -92,7 +95,7 @@ class Engine:
         model.init_kv_cache(num_blocks, bs)
         self.pool = BlockPool(num_blocks, bs, prefix_caching=config.prefix_caching)
         self.kv = KVManager(self.pool)
-        self.scheduler = Scheduler(
+        self.scheduler = make_scheduler(
             self.kv,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,

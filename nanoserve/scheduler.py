@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
 from nanoserve.kv import KVManager
 from nanoserve.request import Request, Status
@@ -39,6 +40,13 @@ class Schedule:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.scheduled)
+
+
+class SchedulerFactory(Protocol):
+    """What builds an engine's scheduler: `Scheduler` itself, or a subclass."""
+
+    def __call__(self, kv: KVManager, *, max_num_seqs: int,
+                 max_num_batched_tokens: int) -> Scheduler: ...
 
 
 class Scheduler:

@@ -28,6 +28,7 @@ the same boundary in every replay.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,9 +36,11 @@ from typing import Any
 
 import torch
 
+from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
+from nanoserve.kv import KVManager
 from nanoserve.model.base import ForwardBatch, Model, ModelConfig
-from nanoserve.scheduler import Schedule, Scheduler
+from nanoserve.scheduler import Schedule, Scheduler, SchedulerFactory
 from nanoserve.tokenizer import Tokenizer
 from sim.trace_check import FAULT_PARAMS
 
@@ -143,35 +146,38 @@ class FaultyTokenizer(Tokenizer):
         return super().decode(ids, skip_special_tokens=skip_special_tokens)
 
 
-def _faulty_schedule(scheduler: Scheduler, engine: Engine, at: frozenset[int]) -> None:
-    """Make `scheduler.schedule` raise in the steps `at` (an instance attribute shadows the
-    method; the engine calls `self.scheduler.schedule()` outside its step's containment)."""
-    real = scheduler.schedule
+class FaultyScheduler(Scheduler):
+    """A Scheduler whose `schedule()` raises in the steps `at` (the engine calls it once per
+    step, first, outside its step's containment, so its k-th call is step k)."""
 
-    def schedule() -> Schedule:
-        if engine.num_steps in at:
-            raise InjectedFault(f"injected fault: the scheduler raised at step "
-                                f"{engine.num_steps}")
-        return real()
+    def __init__(self, kv: KVManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 at: frozenset[int]) -> None:
+        super().__init__(kv, max_num_seqs=max_num_seqs,
+                         max_num_batched_tokens=max_num_batched_tokens)
+        self._at = at
+        self._calls = 0
 
-    scheduler.schedule = schedule  # type: ignore[method-assign]
+    def schedule(self) -> Schedule:
+        self._calls += 1
+        if self._calls in self._at:
+            raise InjectedFault(f"injected fault: the scheduler raised at step {self._calls}")
+        return super().schedule()
 
 
 def inject(model: Model, tokenizer: Tokenizer, faults: Sequence[Fault],
-           build: Callable[[Model, Tokenizer], Engine]) -> Engine:
-    """`build(model, tokenizer)` with each part wrapped as `faults` need; the engine it built.
-    With no faults the parts are passed through untouched."""
-    if not faults:
-        return build(model, tokenizer)
+           config: EngineConfig) -> Engine:
+    """An Engine on `config` with each part wrapped as `faults` need. With no faults the
+    parts are passed through untouched."""
     kinds = {f.kind for f in faults}
     m: Model = FaultyModel(model, faults) if "step_raises" in kinds else model
     t = (FaultyTokenizer(tokenizer, faults)
          if kinds & {"encode_raises", "detokenize_raises"} else tokenizer)
-    engine = build(m, t)
+    at = _steps(faults, "schedule_raises")
+    make: SchedulerFactory = (functools.partial(FaultyScheduler, at=at) if at
+                              else Scheduler)
+    engine = Engine(m, t, config, make_scheduler=make)
     if isinstance(m, FaultyModel):
         m.attach(engine)
-    if "schedule_raises" in kinds:
-        _faulty_schedule(engine.scheduler, engine, _steps(faults, "schedule_raises"))
     return engine
 
 

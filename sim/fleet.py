@@ -147,7 +147,7 @@ def simulate(
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     reps = [_Replica(i, make_engine()) for i in range(replicas)]
-    pick = _Router(router, reps, reps[0].engine.pool.block_size).pick
+    pick = _Router(router, reps, reps[0].engine.config.block_size).pick
     records = [Record(r.id, r.at_s, len(r.prompt_ids)) for r in requests]
     by_id: dict[str, tuple[SimRequest, Record]] = {}
     timeline: list[Sample] = []
@@ -175,7 +175,7 @@ def _arrive(req: SimRequest, rec: Record, rep: _Replica, max_queue: int | None,
     rec.replica = rep.index
     if not rep.active():
         rep.now = max(rep.now, req.at_s)  # an idle replica wakes at the arrival
-    if max_queue is not None and len(rep.pending) + len(rep.engine.scheduler.waiting) + 1 \
+    if max_queue is not None and len(rep.pending) + rep.engine.statistics().waiting + 1 \
             > max_queue:
         rec.status = "rejected"
         return
@@ -205,15 +205,16 @@ def _boundary(rep: _Replica, by_id: dict[str, tuple[SimRequest, Record]],
         eng.admit(prepared, rec.id)
     if not eng.has_unfinished():
         return
-    queue, running = len(eng.scheduler.waiting), len(eng.scheduler.running)
+    before = eng.statistics()
     result = eng.step()
     dt = cost(result)
     if not (math.isfinite(dt) and dt >= 0):
         raise ValueError(f"step cost must be finite seconds >= 0, got {dt!r}")
     t0 = rep.now
     rep.now = t = t0 + dt
-    used = eng.pool.num_blocks - eng.pool.statistics().free
-    timeline.append(Sample(t0, dt, rep.index, queue, running, used))
+    after = eng.statistics()
+    timeline.append(Sample(t0, dt, rep.index, before.waiting, before.running,
+                           after.num_blocks - after.free_blocks))
     for u in result.updates:
         entry = by_id.get(u.request_id)
         if entry is None:

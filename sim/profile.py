@@ -86,10 +86,10 @@ def measure_grid(model: Model, tokenizer: Tokenizer, grid: Mapping[str, Sequence
         eng = engines[d, c] = Engine(model, tokenizer, config)
         # Long enough to keep decoding through every timed step of this cell.
         long = SamplingParams(temperature=0, ignore_eos=True, max_tokens=ctx - c)
-        for _ in range(d):
-            eng.add_request(ids(c), long)
-        while any(r.num_output == 0 for r in eng.requests.values()):
-            eng.step()  # the D rows' prefill: not timed
+        rows = {eng.add_request(ids(c), long) for _ in range(d)}
+        started: set[str] = set()
+        while started != rows:  # the D rows' prefill, to each row's first token: not timed
+            started.update(u.request_id for u in eng.step().updates)
         for _ in range(warmup):
             eng.step()
     samples: dict[tuple[int, int, int], list[tuple[float, StepResult]]] = {}

@@ -193,7 +193,7 @@ def engine_header(engine: Engine, max_queue: int | None) -> dict[str, Any]:
     """The header's engine settings: everything that changes the schedule, as served."""
     cfg = engine.config
     out: dict[str, Any] = {
-        "block_size": cfg.block_size, "num_blocks": engine.pool.num_blocks,
+        "block_size": cfg.block_size, "num_blocks": engine.statistics().num_blocks,
         "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
         "seed": cfg.seed, "max_model_len": engine.max_model_len,
         "prefix_caching": cfg.prefix_caching, "max_queue": max_queue,

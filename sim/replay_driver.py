@@ -36,7 +36,7 @@ import trio
 import trio.testing
 
 from nanoserve.clock import Step
-from nanoserve.engine import Engine, StepResult
+from nanoserve.engine import StepResult
 from nanoserve.server import ServerConfig, create_app, server_state
 from nanoserve.serving import AsyncEngine
 from sim.asgi_client import AsgiClient, serve_in_process
@@ -121,7 +121,7 @@ class Driver:
         # An injected fault that kills the loop is the trace's point, not a broken replay.
         self.death_expected = kills_loop(faults)
         self.engine = inject(weights.model, weights.tokenizer, faults,
-                             lambda m, t: Engine(m, t, engine_config(h, weights)))
+                             engine_config(h, weights))
         config = ServerConfig(h.model, max_queue=h.engine.get("max_queue"),
                               body_timeout=h.body_timeout)
         self.app = create_app(self.engine, config, clock=self.clock, id_source=self._next_id,

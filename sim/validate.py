@@ -28,7 +28,7 @@ from typing import Any
 
 import trio
 
-from nanoserve.clock import LiveClock
+from nanoserve.clock import LiveClock, Step
 from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine, StepResult
 from nanoserve.model.quant import CHOICES
@@ -103,28 +103,34 @@ async def _client(bridge: AsyncEngine, req: SimRequest, rec: Record, t0: float,
                 return
 
 
+class _TimedLiveClock(LiveClock):
+    """The live clock, adding up each step's wall and CPU time in the step's own thread."""
+
+    def __init__(self) -> None:
+        self.wall = self.cpu = 0.0
+
+    async def run_step(self, step: Step) -> StepResult:
+        def timed() -> StepResult:
+            w0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                return step()
+            finally:
+                self.wall += time.perf_counter() - w0
+                self.cpu += time.thread_time() - c0
+
+        return await super().run_step(timed)
+
+
 def measure(workload: Workload, engine: Engine,
             progress: str | None = None) -> tuple[SimResult, float]:
     """One wall-clock run of the workload on `engine` (real weights) via the live clock,
     and the steps' contention: their wall time over their thread's CPU time (1 on an idle
     machine with one torch thread; more when other processes share the cores). `progress`:
     a bar with that label over the requests, on a terminal."""
-    wall = cpu = 0.0
-    step = engine.step
-
-    def timed_step() -> StepResult:
-        nonlocal wall, cpu
-        w0, c0 = time.perf_counter(), time.thread_time()
-        try:
-            return step()
-        finally:
-            wall += time.perf_counter() - w0
-            cpu += time.thread_time() - c0
-
-    engine.step = timed_step  # type: ignore[method-assign]  # instrumentation only
+    clock = _TimedLiveClock()
 
     async def main() -> list[Record]:
-        async with AsyncEngine.open(engine, LiveClock()) as bridge:
+        async with AsyncEngine.open(engine, clock) as bridge:
             # One throwaway request first: the first steps pay for lazy initialisation.
             warm = bridge.prepare([1000] * 8, SamplingParams(temperature=0, max_tokens=2))
             await bridge.generate(warm)
@@ -137,7 +143,8 @@ def measure(workload: Workload, engine: Engine,
     finally:
         shown.close()
     end = max((r.finish_s or 0.0 for r in records), default=0.0)
-    return SimResult(tuple(records), (), (engine.statistics(),), end), wall / cpu if cpu else 1.0
+    contention = clock.wall / clock.cpu if clock.cpu else 1.0
+    return SimResult(tuple(records), (), (engine.statistics(),), end), contention
 
 
 def compare(predicted: dict[str, Any], runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

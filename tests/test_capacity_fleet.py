@@ -9,6 +9,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 import trio
 import trio.testing
 
@@ -110,12 +111,20 @@ def test_engine_tokens_are_the_same_with_and_without_the_fast_path(tok: Tokenize
 
 
 def test_the_fast_path_is_taken_only_for_plain_greedy_rows(tok: Tokenizer) -> None:
-    stub = StubModel(tok)
     calls: list[str] = []
-    orig_pick, orig_fwd = stub.pick_greedy, stub.forward
-    stub.pick_greedy = lambda b: calls.append("pick") or orig_pick(b)  # type: ignore[method-assign,func-returns-value]
-    stub.forward = lambda b: calls.append("forward") or orig_fwd(b)  # type: ignore[method-assign,func-returns-value]
-    e = Engine(stub, tok, config())
+
+    class Spy(StubModel):
+        """The stub, noting which of its two paths each step takes."""
+
+        def pick_greedy(self, batch: ForwardBatch) -> list[int]:
+            calls.append("pick")
+            return super().pick_greedy(batch)
+
+        def forward(self, batch: ForwardBatch) -> torch.Tensor:
+            calls.append("forward")
+            return super().forward(batch)
+
+    e = Engine(Spy(tok), tok, config())
     e.add_request([1000, 1001], SamplingParams(temperature=0, max_tokens=1))
     e.step()
     assert calls == ["pick"]

@@ -44,7 +44,7 @@ async def settle() -> None:
 def faulty_engine(*faults: Fault, **cfg: Any) -> Engine:
     model, tok = stub_parts()
     config = EngineConfig(**{"block_size": 16, "num_blocks": 128, "max_model_len": 1024, **cfg})
-    return inject(model, tok, faults, lambda m, t: Engine(m, t, config))
+    return inject(model, tok, faults, config)
 
 
 class Steps:
