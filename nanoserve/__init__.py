@@ -9,10 +9,12 @@ contracts in pyproject.toml (import-linter: `just lint`, tests/test_layers.py) c
     clock         step, live and virtual clocks: how the bridge turns a step into seconds
     bench, llm    the offline benchmark; LLM, the offline API
     engine        Engine.step(): schedule -> execute -> sample -> update (sync, no clock)
+    runner        ModelRunner.run: a schedule through the model and the sampler
     batch         a schedule -> the step's ForwardBatch; prompt-logprob rows; work counts
     scheduler     token-budget continuous batching, chunked prefill, preemption
     kv            block pool, ref counts, prefix hashes, block tables (pure Python)
     outputs       RequestOutput, what LLM.generate returns
+    stop          check_stop: the stop rules in one function
     request       a request's state and its updates
     detokenizer   incremental detokenizer with stop strings and hold-back
     sampler       batched tensor functions, per-row generators

@@ -49,9 +49,19 @@ def plain_greedy(p: SamplingParams) -> bool:
             and p.frequency_penalty == 0 and not p.logit_bias and p.min_tokens == 0)
 
 
+@dataclass(frozen=True, slots=True)
+class StepBatch:
+    """A schedule as the model sees it, and where its outputs go."""
+
+    forward: ForwardBatch
+    samplers: list[Request]  # [S] the requests that draw a token this step
+    sample_rows: list[int]  # [S] their rows in the model's logits
+    prompt: PromptRows  # the rows that score prompt tokens (prompt_logprobs)
+
+
 def build_batch(
     schedule: Schedule, block_size: int, group_params: Mapping[str, SamplingParams]
-) -> tuple[ForwardBatch, list[Request], list[int], PromptRows]:
+) -> StepBatch:
     """The step's batch; the requests that sample, and their rows in the logits; and the
     rows that score prompt tokens. Logits rows stay in flat token order (the stub needs
     that), so a request's prompt rows come before its sampling row."""
@@ -93,7 +103,7 @@ def build_batch(
             sample_rows.append(len(b.logits_indices))
             b.logits_indices.append(len(b.input_ids) - 1)
             samplers.append(req)
-    return b, samplers, sample_rows, prompt
+    return StepBatch(b, samplers, sample_rows, prompt)
 
 
 def score_prompt(logits: torch.Tensor, prompt: PromptRows) -> None:

@@ -10,25 +10,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
-from nanoserve.batch import (
-    PromptRows,
-    advance,
-    build_batch,
-    plain_greedy,
-    prompt_logprobs_update,
-    score_prompt,
-)
+from nanoserve.batch import prompt_logprobs_update
 from nanoserve.config import EngineConfig
 from nanoserve.detokenizer import IncrementalDetokenizer
 from nanoserve.kv import BlockPool, KVManager
-from nanoserve.model.base import ForwardBatch, Model
+from nanoserve.model.base import Model
 from nanoserve.request import FinishReason, Request, Status, Update
-from nanoserve.sampler import SampleOutput, SamplingRow, sample
+from nanoserve.runner import ModelRunner
 from nanoserve.sampling import ParamError, SamplingParams
-from nanoserve.scheduler import Scheduler, SchedulerFactory
+from nanoserve.scheduler import Schedule, Scheduler, SchedulerFactory
 from nanoserve.seeds import mix64
+from nanoserve.stop import check_stop
 from nanoserve.tokenizer import Tokenizer
 
 
@@ -101,6 +93,7 @@ class Engine:
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
         self.eos_token_ids = tuple(model.config.eos_token_ids)
+        self.runner = ModelRunner(model, self.kv, bs, self.eos_token_ids)
         self.requests: dict[str, Request] = {}  # live requests by their own id
         self._groups: dict[str, list[Request]] = {}  # caller's id -> its live completions
         self._group_params: dict[str, SamplingParams] = {}
@@ -285,65 +278,33 @@ class Engine:
     # -- the step ------------------------------------------------------------------------------
 
     def step(self) -> StepResult:
+        """Schedule, run the model and sample, then apply each row's token."""
         self.num_steps += 1
         schedule = self.scheduler.schedule()
+        preempted = self._ids(schedule.preempted)
         if not schedule.scheduled:
-            return StepResult(self.num_steps, (), self._ids(schedule.preempted), 0, 0)
-        batch, samplers, sample_rows, prompt = build_batch(
-            schedule, self.pool.block_size, self._group_params)
+            return StepResult(self.num_steps, (), preempted, 0, 0)
         try:
-            # The stub can name greedy tokens without vocabulary-wide logits (simulation
-            # speed); it returns exactly the argmax the sampler would take.
-            direct = self._pick_directly(batch, samplers, prompt)
-            logits = self.model.forward(batch) if direct is None else torch.empty(0)
-            if prompt.rows:
-                score_prompt(logits, prompt)
-                logits = logits[torch.tensor(sample_rows, dtype=torch.long, device=logits.device)]
-            work = advance(schedule, self.kv)
-            rows = self._fork_rows(samplers)
-            picked = None if direct is None else SampleOutput(
-                [direct[i] for i, _ in rows], [None] * len(rows))
-            if len(rows) > len(samplers) and picked is None:
-                logits = logits[torch.tensor([i for i, _ in rows], device=logits.device)]
-            reqs = [r for _, r in rows]
-            drawn = picked if picked is not None else sample(
-                logits,
-                [
-                    SamplingRow(r.params, r.seed, r.num_output, r.prompt_ids, r.output_ids)
-                    for r in reqs
-                ],
-                self.eos_token_ids,
-            )
+            ran = self.runner.run(schedule, self._group_params, self._fork_rows)
         except Exception as exc:  # a broken step fails its own requests, not the engine
-            failed = {s.request.group for s in schedule.scheduled}
-            self._failed += len(failed)
-            updates = tuple(
-                u
-                for g in failed
-                for r in list(self._groups.get(g, ()))
-                for u in self._finish_all(r, FinishReason.ERROR, f"step failed: {exc!r}")
-            )
-            return StepResult(self.num_steps, updates, self._ids(schedule.preempted), 0, 0)
-        self._prefill_tokens += work.prefill
-        self._decode_tokens += work.decode
-        done = tuple(
-            self._update(req, tok, lp)
-            for req, tok, lp in zip(reqs, drawn.token_ids, drawn.logprobs, strict=True)
-        )
-        return StepResult(self.num_steps, done, self._ids(schedule.preempted), work.prefill,
-                          work.decode, work.prefill_seqs, work.decode_context,
-                          work.prefill_attention)
+            return StepResult(self.num_steps, self._fail_step(schedule, exc), preempted, 0, 0)
+        w = ran.work
+        self._prefill_tokens += w.prefill
+        self._decode_tokens += w.decode
+        done = tuple(self._update(req, tok, lp) for req, tok, lp in ran.draws())
+        return StepResult(self.num_steps, done, preempted, w.prefill, w.decode,
+                          w.prefill_seqs, w.decode_context, w.prefill_attention)
 
-    def _pick_directly(
-        self, batch: ForwardBatch, samplers: list[Request], prompt: PromptRows
-    ) -> list[int] | None:
-        """The model's own greedy picks (one per logits row), when it offers them and every
-        row would take a plain argmax: greedy, no logprobs, nothing that edits logits."""
-        pick = getattr(self.model, "pick_greedy", None)
-        if pick is None or prompt.rows or not all(plain_greedy(r.params) for r in samplers):
-            return None
-        picked: list[int] = pick(batch)
-        return picked
+    def _fail_step(self, schedule: Schedule, exc: Exception) -> tuple[Update, ...]:
+        """End every request the failed step scheduled (all its completions) with the error."""
+        failed = {s.request.group for s in schedule.scheduled}
+        self._failed += len(failed)
+        return tuple(
+            u
+            for g in failed
+            for r in list(self._groups.get(g, ()))
+            for u in self._finish_all(r, FinishReason.ERROR, f"step failed: {exc!r}")
+        )
 
     def _fork_rows(self, samplers: list[Request]) -> list[tuple[int, Request]]:
         """(logits row, request) for every draw this step: a request that has just computed
@@ -361,7 +322,6 @@ class Engine:
         req.logprobs.append(logprobs)  # type: ignore[arg-type]
         if req.first_token_step is None:
             req.first_token_step = self.num_steps
-        p = req.params
         detok = req.detok
         matched = None
         if detok is not None:  # None: detokenize=False, which forbids stop strings
@@ -371,14 +331,9 @@ class Engine:
                 self._failed += 1
                 return self._finish(req, FinishReason.ERROR, (token,),
                                     error=f"detokenizer: {exc!r}")
-        if token in p.stop_token_ids:
-            return self._finish(req, FinishReason.STOP, (token,), stop_reason=token)
-        if not p.ignore_eos and token in self.eos_token_ids:
-            return self._finish(req, FinishReason.STOP, (token,))
-        if matched is not None:
-            return self._finish(req, FinishReason.STOP, (token,), stop_reason=matched)
-        if req.num_output >= req.max_tokens:
-            return self._finish(req, FinishReason.LENGTH, (token,))
+        stop = check_stop(req, token, matched, self.eos_token_ids)
+        if stop is not None:
+            return self._finish(req, stop[0], (token,), stop_reason=stop[1])
         return Update(
             req.group,
             (token,),

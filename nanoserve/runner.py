@@ -1,0 +1,80 @@
+"""Running a schedule: the model's forward, prompt scoring, and the draw of each row's token.
+
+`ModelRunner.run` is the part of a step that touches tensors: build the batch, run the
+model (or take its greedy picks directly when it offers them and every row is a plain
+argmax: the stub's fast path in simulation), score prompt tokens, advance the computed
+counts, and sample. Whatever it raises, the engine contains to the step's own requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from nanoserve.batch import StepBatch, Work, advance, build_batch, plain_greedy, score_prompt
+from nanoserve.kv import KVManager
+from nanoserve.model.base import Model
+from nanoserve.request import Request
+from nanoserve.sampler import SampleOutput, SamplingRow, TokenLogprobs, sample
+from nanoserve.sampling import SamplingParams
+from nanoserve.scheduler import Schedule
+
+# (logits row, request) for every draw of the step, given the requests that sample: the
+# engine's hook that adds the forked siblings of an n > 1 request (engine.py).
+ForkRows = Callable[[list[Request]], list[tuple[int, Request]]]
+
+
+@dataclass(frozen=True, slots=True)
+class Ran:
+    """What the model did for one schedule: the work counts and one draw per request."""
+
+    work: Work
+    requests: list[Request]  # [R] in draw order
+    tokens: list[int]  # [R]
+    logprobs: Sequence[TokenLogprobs | None]  # [R]
+
+    def draws(self) -> zip[tuple[Request, int, TokenLogprobs | None]]:
+        return zip(self.requests, self.tokens, self.logprobs, strict=True)
+
+
+class ModelRunner:
+    def __init__(self, model: Model, kv: KVManager, block_size: int,
+                 eos_token_ids: tuple[int, ...]) -> None:
+        self.model = model
+        self.kv = kv
+        self.block_size = block_size
+        self.eos_token_ids = eos_token_ids
+
+    def run(self, schedule: Schedule, group_params: Mapping[str, SamplingParams],
+            fork_rows: ForkRows) -> Ran:
+        b = build_batch(schedule, self.block_size, group_params)
+        direct = self._pick_directly(b)
+        logits = self.model.forward(b.forward) if direct is None else torch.empty(0)
+        if b.prompt.rows:
+            score_prompt(logits, b.prompt)
+            logits = logits[torch.tensor(b.sample_rows, dtype=torch.long, device=logits.device)]
+        work = advance(schedule, self.kv)
+        rows = fork_rows(b.samplers)
+        reqs = [r for _, r in rows]
+        if direct is not None:
+            return Ran(work, reqs, [direct[i] for i, _ in rows], [None] * len(rows))
+        if len(rows) > len(b.samplers):  # forked siblings draw from their parent's row
+            logits = logits[torch.tensor([i for i, _ in rows], device=logits.device)]
+        drawn = self._sample(logits, reqs)
+        return Ran(work, reqs, drawn.token_ids, drawn.logprobs)
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> SampleOutput:
+        rows = [SamplingRow(r.params, r.seed, r.num_output, r.prompt_ids, r.output_ids)
+                for r in reqs]
+        return sample(logits, rows, self.eos_token_ids)
+
+    def _pick_directly(self, b: StepBatch) -> list[int] | None:
+        """The model's own greedy picks (one per logits row), when it offers them and every
+        row would take a plain argmax: greedy, no logprobs, nothing that edits logits."""
+        pick = getattr(self.model, "pick_greedy", None)
+        if pick is None or b.prompt.rows or not all(plain_greedy(r.params) for r in b.samplers):
+            return None
+        picked: list[int] = pick(b.forward)
+        return picked
