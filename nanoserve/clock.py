@@ -35,7 +35,7 @@ import trio.testing
 
 if TYPE_CHECKING:
     # Types only: the clock sits below the engine in the layering and never calls into it.
-    from nanoserve.engine import StepResult
+    from nanoserve.outputs import StepResult
 
 Step = Callable[[], "StepResult"]
 

@@ -8,13 +8,14 @@ give the same sequence of steps, which is what lets `sim replay` check a trace t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
+from nanoserve.admission import Prepared, check_request, detokenizer_for
 from nanoserve.batch import prompt_logprobs_update
+from nanoserve.completions import share_prompt, siblings
 from nanoserve.config import EngineConfig
-from nanoserve.detokenizer import IncrementalDetokenizer
 from nanoserve.kv import BlockPool, KVManager
 from nanoserve.model.base import Model
+from nanoserve.outputs import EngineStats, StepResult
 from nanoserve.request import FinishReason, Request, Status, Update
 from nanoserve.runner import ModelRunner
 from nanoserve.sampling import ParamError, SamplingParams
@@ -22,52 +23,6 @@ from nanoserve.scheduler import Schedule, Scheduler, SchedulerFactory
 from nanoserve.seeds import mix64
 from nanoserve.stop import check_stop
 from nanoserve.tokenizer import Tokenizer
-
-
-class AdmissionError(ParamError):
-    """A request that can never run (too long for the context or the pool)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Prepared:
-    """A validated request, not yet admitted."""
-
-    prompt_ids: list[int]
-    params: SamplingParams
-    max_tokens: int  # resolved: the params' own, or the rest of the context
-
-
-@dataclass(frozen=True, slots=True)
-class StepResult:
-    step: int
-    updates: tuple[Update, ...]
-    preempted: tuple[str, ...]
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    # What a step-cost model needs beyond token counts (sim/cost.py): rows in prefill, and
-    # the attention work as (query, key) pairs: a decode row attends to its whole context,
-    # a prefill chunk [start, end) causally to sum(p + 1 for p in range(start, end)).
-    num_prefill_seqs: int = 0
-    decode_context: int = 0
-    prefill_attention: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    steps: int
-    running: int
-    waiting: int
-    num_blocks: int
-    free_blocks: int
-    peak_used_blocks: int
-    preemptions: int
-    prefill_tokens: int
-    decode_tokens: int
-    prefix_queries: int
-    prefix_hits: int
-    finished: int
-    aborted: int
-    failed: int
 
 
 class Engine:
@@ -83,15 +38,11 @@ class Engine:
         layout = config.layout(model.config.max_position_embeddings,
                                model.kv_bytes_per_block(bs))
         self.max_model_len = layout.max_model_len
-        num_blocks = layout.num_blocks
-        model.init_kv_cache(num_blocks, bs)
-        self.pool = BlockPool(num_blocks, bs, prefix_caching=config.prefix_caching)
+        model.init_kv_cache(layout.num_blocks, bs)
+        self.pool = BlockPool(layout.num_blocks, bs, prefix_caching=config.prefix_caching)
         self.kv = KVManager(self.pool)
-        self.scheduler = make_scheduler(
-            self.kv,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-        )
+        self.scheduler = make_scheduler(self.kv, max_num_seqs=config.max_num_seqs,
+                                        max_num_batched_tokens=config.max_num_batched_tokens)
         self.eos_token_ids = tuple(model.config.eos_token_ids)
         self.runner = ModelRunner(model, self.kv, bs, self.eos_token_ids)
         self.requests: dict[str, Request] = {}  # live requests by their own id
@@ -117,34 +68,9 @@ class Engine:
         """Tokenize and validate, changing nothing: any task may call this while a step runs,
         so every error that is knowable before the first token surfaces before admission."""
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        vocab = self.model.config.vocab_size
-        if not prompt_ids:
-            raise ParamError("prompt", "prompt must not be empty")
-        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ParamError(
-                "prompt", f"prompt token id {bad} is outside the vocabulary [0, {vocab})"
-            )
-        params.check_context(
-            vocab_size=vocab, max_model_len=self.max_model_len, prompt_len=len(prompt_ids)
-        )
-        room = self.max_model_len - len(prompt_ids)
-        if room < 1:
-            raise AdmissionError(
-                "prompt",
-                f"prompt has {len(prompt_ids)} tokens; max_model_len {self.max_model_len} leaves "
-                f"no room for output (over by {1 - room})",
-            )
-        max_tokens = params.max_tokens if params.max_tokens is not None else room
-        pool_tokens = self.pool.num_blocks * self.pool.block_size
-        if len(prompt_ids) + max_tokens > pool_tokens:
-            raise AdmissionError(
-                "max_tokens",
-                f"prompt ({len(prompt_ids)}) + max_tokens ({max_tokens}) = "
-                f"{len(prompt_ids) + max_tokens} tokens can never fit the KV pool of "
-                f"{pool_tokens} tokens (over by {len(prompt_ids) + max_tokens - pool_tokens})",
-            )
-        return Prepared(prompt_ids, params, max_tokens)
+        return check_request(prompt_ids, params, vocab_size=self.model.config.vocab_size,
+                             max_model_len=self.max_model_len,
+                             pool_tokens=self.pool.num_blocks * self.pool.block_size)
 
     def admit(self, prepared: Prepared, request_id: str | None = None) -> str:
         """Queue a prepared request. Only the engine's single writer calls this."""
@@ -167,7 +93,7 @@ class Engine:
             max_tokens=prepared.max_tokens,
             seed=seed,
             admission=self._admitted,
-            detok=self._detokenizer(prepared.prompt_ids, params),
+            detok=detokenizer_for(self.tokenizer, prepared.prompt_ids, params),
             pending_children=n - 1,
             # The first prompt token has no logprob: nothing precedes it.
             prompt_logprobs=[None] if params.prompt_logprobs is not None else [],
@@ -179,62 +105,18 @@ class Engine:
         self.scheduler.add(req)
         return rid
 
-    def _detokenizer(
-        self, prompt_ids: Sequence[int], params: SamplingParams
-    ) -> IncrementalDetokenizer | None:
-        if not params.detokenize:
-            return None
-        return IncrementalDetokenizer(
-            self.tokenizer,
-            prompt_ids,
-            skip_special_tokens=params.skip_special_tokens,
-            stop=params.stop,
-            include_stop_str_in_output=params.include_stop_str_in_output,
-        )
-
     def _fork(self, parent: Request) -> list[Request]:
-        """Make the n - 1 siblings of a request whose prompt was just computed.
-
-        Each sibling holds a reference on the parent's full prompt blocks (computed once,
-        held once) and gets its own copy of the partial last block, which it will write
-        into. If the pool has no block for a copy, the sibling waits at the front of the
-        queue instead and is prefilled later, mostly from the prefix cache.
-        """
-        bs = self.pool.block_size
-        full = parent.num_computed // bs
-        shared = parent.blocks[:full]
-        partial = parent.blocks[full:]
+        """The n - 1 siblings of a request whose prompt was just computed (completions.py):
+        those that got the prompt's blocks, to draw this step; the others wait in front."""
         children: list[Request] = []
-        group_params = self._group_params[parent.group]
-        for i in range(1, parent.pending_children + 1):
-            params = group_params.child(i)  # seed + i when seeded
-            seed = params.seed if params.seed is not None else mix64(parent.seed ^ mix64(i))
-            child = Request(
-                request_id=f"{parent.group}#{i}",
-                prompt_ids=parent.prompt_ids,
-                params=params,
-                max_tokens=parent.max_tokens,
-                seed=seed,
-                admission=parent.admission,
-                detok=self._detokenizer(parent.prompt_ids, params),
-                group=parent.group,
-                index=i,
-                num_cached_prompt=parent.num_cached_prompt,
-                prompt_logprobs=list(parent.prompt_logprobs),
-            )
+        for child in siblings(parent, self._group_params[parent.group], self.tokenizer):
             self.requests[child.request_id] = child
             self._groups[parent.group].append(child)
-            if self.pool.can_allocate(len(partial)):
-                self.pool.acquire(shared)
-                copies = self.pool.allocate(len(partial))
-                self.model.copy_blocks(list(zip(partial, copies, strict=True)))
-                child.blocks = shared + copies
-                child.block_hashes = list(parent.block_hashes)
-                child.num_computed = parent.num_computed
+            if share_prompt(parent, child, self.pool, self.model):
                 self.scheduler.add_running(child)
                 children.append(child)
             else:
-                self.scheduler.waiting.appendleft(child)
+                self.scheduler.add_first(child)
         parent.pending_children = 0
         return children
 

@@ -1,7 +1,10 @@
-"""Final results, built from a request's updates: the shape of vLLM's RequestOutput.
+"""What the engine hands out: each step's result, its statistics, and final results.
 
-Both the offline `LLM` and the async bridge fold updates through `OutputBuilder`, so a
-streamed request and a unary one end in the same object by construction.
+`StepResult` is what one `Engine.step()` did (its updates, and the work counts a cost model
+prices); `EngineStats` the engine's counters. Final results are built from a request's
+updates, in the shape of vLLM's RequestOutput: both the offline `LLM` and the async bridge
+fold updates through `OutputBuilder`, so a streamed request and a unary one end in the same
+object by construction.
 """
 
 from __future__ import annotations
@@ -11,6 +14,39 @@ from dataclasses import dataclass, field
 
 from nanoserve.request import Update
 from nanoserve.sampler import TokenLogprobs
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    step: int
+    updates: tuple[Update, ...]
+    preempted: tuple[str, ...]
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    # What a step-cost model needs beyond token counts (sim/cost.py): rows in prefill, and
+    # the attention work as (query, key) pairs: a decode row attends to its whole context,
+    # a prefill chunk [start, end) causally to sum(p + 1 for p in range(start, end)).
+    num_prefill_seqs: int = 0
+    decode_context: int = 0
+    prefill_attention: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    steps: int
+    running: int
+    waiting: int
+    num_blocks: int
+    free_blocks: int
+    peak_used_blocks: int
+    preemptions: int
+    prefill_tokens: int
+    decode_tokens: int
+    prefix_queries: int
+    prefix_hits: int
+    finished: int
+    aborted: int
+    failed: int
 
 
 @dataclass(frozen=True, slots=True)

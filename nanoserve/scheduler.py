@@ -61,6 +61,11 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
+    def add_first(self, req: Request) -> None:
+        """A request that goes before every waiting one (a forked sibling that found no
+        block for its copy of the prompt's last block)."""
+        self.waiting.appendleft(req)
+
     def add_running(self, req: Request) -> None:
         """A request that enters already computed (a forked sibling)."""
         req.status = Status.RUNNING

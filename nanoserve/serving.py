@@ -35,9 +35,10 @@ from typing import Protocol
 
 import trio
 
+from nanoserve.admission import Prepared
 from nanoserve.clock import Clock
-from nanoserve.engine import Engine, Prepared, StepResult
-from nanoserve.outputs import OutputBuilder, RequestOutput
+from nanoserve.engine import Engine
+from nanoserve.outputs import OutputBuilder, RequestOutput, StepResult
 from nanoserve.request import FinishReason, Update
 from nanoserve.sampling import ParamError, SamplingParams
 

@@ -27,7 +27,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from nanoserve.engine import Engine, EngineStats, Prepared, StepResult
+from nanoserve.admission import Prepared
+from nanoserve.engine import Engine
+from nanoserve.outputs import EngineStats, StepResult
 from nanoserve.request import Update
 from nanoserve.sampling import ParamError
 from sim.capacity_load import SimRequest

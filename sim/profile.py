@@ -30,9 +30,10 @@ from typing import Any
 from tqdm import tqdm
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine import Engine, StepResult
+from nanoserve.engine import Engine
 from nanoserve.model.base import Model
 from nanoserve.model.quant import CHOICES
+from nanoserve.outputs import StepResult
 from nanoserve.progress import bar
 from nanoserve.sampling import SamplingParams
 from nanoserve.tokenizer import Tokenizer

@@ -36,7 +36,7 @@ import trio
 import trio.testing
 
 from nanoserve.clock import Step
-from nanoserve.engine import StepResult
+from nanoserve.outputs import StepResult
 from nanoserve.server import ServerConfig, create_app, server_state
 from nanoserve.serving import AsyncEngine
 from sim.asgi_client import AsgiClient, serve_in_process

@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 import h11
 import trio
 
-from nanoserve.engine import StepResult
+from nanoserve.outputs import StepResult
 from sim.bench_sse import DONE, SseParser
 from sim.soak_plan import ClientPlan
 

@@ -30,9 +30,10 @@ import trio
 
 from nanoserve.clock import LiveClock, Step
 from nanoserve.config import EngineConfig
-from nanoserve.engine import Engine, StepResult
+from nanoserve.engine import Engine
 from nanoserve.model.quant import CHOICES
 from nanoserve.model.stub import StubModel
+from nanoserve.outputs import StepResult
 from nanoserve.progress import bar
 from nanoserve.sampling import ParamError, SamplingParams
 from nanoserve.serving import AsyncEngine

@@ -9,7 +9,7 @@ import trio
 import trio.testing
 
 from nanoserve.clock import GateClock, LiveClock, StepClock, VirtualClock
-from nanoserve.engine import StepResult
+from nanoserve.outputs import StepResult
 
 
 def result(step: int = 1) -> StepResult:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from nanoserve.admission import AdmissionError
 from nanoserve.config import ConfigError, EngineConfig
-from nanoserve.engine import AdmissionError, Engine
+from nanoserve.engine import Engine
 from nanoserve.model.stub import StubModel
 from nanoserve.sampling import SamplingParams
 from nanoserve.tokenizer import Tokenizer

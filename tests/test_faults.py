@@ -27,7 +27,8 @@ from test_server_api import GOOD, assert_error, make_app, make_engine
 
 from nanoserve.clock import GateClock, StepClock
 from nanoserve.config import EngineConfig
-from nanoserve.engine import Engine, StepResult
+from nanoserve.engine import Engine
+from nanoserve.outputs import StepResult
 from nanoserve.server import server_state
 from sim.faults import Fault, inject
 

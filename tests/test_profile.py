@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from nanoserve.engine import StepResult
 from nanoserve.model.loader import resolve_model
 from nanoserve.model.stub import StubModel
+from nanoserve.outputs import StepResult
 from nanoserve.tokenizer import Tokenizer
 from sim.cli import main
 from sim.cost import FEATURES, CostModel, fit_coefficients, load_cost_model, step_features

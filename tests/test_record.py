@@ -425,7 +425,7 @@ async def test_live_smollm2_traffic_replays_with_the_same_tokens(
     import openai
 
     from nanoserve.config import EngineConfig
-    from nanoserve.engine import StepResult
+    from nanoserve.outputs import StepResult
 
     engine = Engine(smollm2_model, smollm2_tokenizer,
                     EngineConfig(block_size=16, num_blocks=256, max_model_len=2048))

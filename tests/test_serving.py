@@ -12,10 +12,12 @@ import pytest
 import trio
 import trio.testing
 
+from nanoserve.admission import AdmissionError, Prepared
 from nanoserve.clock import Clock, GateClock, LiveClock, StepClock, VirtualClock
 from nanoserve.config import EngineConfig
-from nanoserve.engine import AdmissionError, Engine, Prepared, StepResult
+from nanoserve.engine import Engine
 from nanoserve.model.stub import StubModel
+from nanoserve.outputs import StepResult
 from nanoserve.request import Update
 from nanoserve.sampling import ParamError, SamplingParams
 from nanoserve.serving import AsyncEngine, BridgeStats, EngineDeadError

@@ -28,7 +28,8 @@ from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
 
 from nanoserve.clock import Clock
-from nanoserve.engine import Engine, StepResult
+from nanoserve.engine import Engine
+from nanoserve.outputs import StepResult
 from nanoserve.server import admin, openai, openapi, recording
 from nanoserve.server.config import ServerConfig
 from nanoserve.server.errors import ApiError, error_object

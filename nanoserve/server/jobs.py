@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import trio
 
-from nanoserve.engine import Prepared
+from nanoserve.admission import Prepared
 from nanoserve.request import Update
 from nanoserve.sampling import ParamError
 from nanoserve.server.errors import ApiError, from_param_error

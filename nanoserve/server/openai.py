@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from quart import Quart, Response, current_app, request
 
-from nanoserve.engine import Prepared
+from nanoserve.admission import Prepared
 from nanoserve.sampling import ParamError
 from nanoserve.server import parse
 from nanoserve.server.errors import ApiError, from_param_error

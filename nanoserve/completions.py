@@ -1,0 +1,60 @@
+"""n > 1: the sibling completions of a request, forked once its prompt is computed.
+
+A request with n completions is admitted as one Request (completion 0) that carries
+`pending_children = n - 1`. The step that computes the last token of its prompt forks the
+others: each is a Request of its own with the same prompt, its own params (`child(i)`: the
+seed + i when seeded) and its own seed stream, and it draws its first token from the
+parent's logits row in that same step. The prompt is computed once: a sibling shares the
+parent's full prompt blocks by reference and copies only the partial last block, which
+it will write into (`share_prompt`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from nanoserve.admission import detokenizer_for
+from nanoserve.kv import BlockPool
+from nanoserve.model.base import Model
+from nanoserve.request import Request
+from nanoserve.sampling import SamplingParams
+from nanoserve.seeds import mix64
+from nanoserve.tokenizer import Tokenizer
+
+
+def siblings(parent: Request, group_params: SamplingParams,
+             tokenizer: Tokenizer) -> Iterator[Request]:
+    """The parent's pending siblings, numbered 1..n-1, not yet holding any blocks."""
+    for i in range(1, parent.pending_children + 1):
+        params = group_params.child(i)  # seed + i when seeded
+        seed = params.seed if params.seed is not None else mix64(parent.seed ^ mix64(i))
+        yield Request(
+            request_id=f"{parent.group}#{i}",
+            prompt_ids=parent.prompt_ids,
+            params=params,
+            max_tokens=parent.max_tokens,
+            seed=seed,
+            admission=parent.admission,
+            detok=detokenizer_for(tokenizer, parent.prompt_ids, params),
+            group=parent.group,
+            index=i,
+            num_cached_prompt=parent.num_cached_prompt,
+            prompt_logprobs=list(parent.prompt_logprobs),
+        )
+
+
+def share_prompt(parent: Request, child: Request, pool: BlockPool, model: Model) -> bool:
+    """Give `child` the parent's computed prompt: a reference on each full block, a copy of
+    the partial last one. False, changing nothing, when the pool has no block for the copy
+    (the child then waits and is prefilled later, mostly from the prefix cache)."""
+    full = parent.num_computed // pool.block_size
+    shared, partial = parent.blocks[:full], parent.blocks[full:]
+    if not pool.can_allocate(len(partial)):
+        return False
+    pool.acquire(shared)
+    copies = pool.allocate(len(partial))
+    model.copy_blocks(list(zip(partial, copies, strict=True)))
+    child.blocks = shared + copies
+    child.block_hashes = list(parent.block_hashes)
+    child.num_computed = parent.num_computed
+    return True
