@@ -2,7 +2,7 @@
 
 Capacity planning needs millions of steps, so it drives `Engine.step()` directly rather
 than through the Trio bridge and HTTP. The rules are the bridge's (nanoserve.serving) under
-the virtual clock (nanoserve.clock.VirtualClock), restated as a discrete-event loop:
+the virtual clock (nanoserve.serving.clock.VirtualClock), restated as a discrete-event loop:
 
 - A replica takes a step boundary at its own time `now`. At the boundary it first applies
   the aborts of clients that hung up during the last step, then admits every arrival routed

@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 import trio
 import trio.testing
 
-from nanoserve.clock import Step
 from nanoserve.outputs import StepResult
 from nanoserve.server import ServerConfig, create_app, server_state
 from nanoserve.serving import AsyncEngine
+from nanoserve.serving.clock import Step
 from sim.asgi_client import AsgiClient, serve_in_process
 from sim.expect import ChoiceOutcome, EndOutcome, Outcome, RequestOutcome
 from sim.faults import inject, kills_loop, parse_faults, quiet_injected

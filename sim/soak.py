@@ -31,10 +31,10 @@ from typing import Any
 
 import trio
 
-from nanoserve.clock import LiveClock
 from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.server import ServerConfig, counter_ids, create_app, server_state
+from nanoserve.serving.clock import LiveClock
 from sim import soak_checks as checks
 from sim.loopback import hypercorn_on_loopback
 from sim.soak_client import Outcome, Progress, run_all

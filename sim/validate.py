@@ -28,7 +28,6 @@ from typing import Any
 
 import trio
 
-from nanoserve.clock import LiveClock, Step
 from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.model.quant import CHOICES
@@ -37,6 +36,7 @@ from nanoserve.outputs import StepResult
 from nanoserve.progress import bar
 from nanoserve.sampling import ParamError, SamplingParams
 from nanoserve.serving import AsyncEngine
+from nanoserve.serving.clock import LiveClock, Step
 from sim.calibrate import geometric_mean, machine_speed, scaled, steal_seconds
 from sim.capacity import default_num_blocks, flat
 from sim.capacity_load import SimRequest, Workload, spec_workload

@@ -13,7 +13,6 @@ import torch
 import trio
 import trio.testing
 
-from nanoserve.clock import VirtualClock
 from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.model.base import ForwardBatch
@@ -21,6 +20,7 @@ from nanoserve.model.loader import resolve_model
 from nanoserve.model.stub import StubModel
 from nanoserve.sampling import SamplingParams
 from nanoserve.serving import AsyncEngine
+from nanoserve.serving.clock import VirtualClock
 from nanoserve.tokenizer import Tokenizer
 from sim.calibrate import geometric_mean, scaled
 from sim.capacity import flat

@@ -25,11 +25,11 @@ import trio.testing
 from http_harness import AsgiHarness, serving, stub_parts
 from test_server_api import GOOD, assert_error, make_app, make_engine
 
-from nanoserve.clock import GateClock, StepClock
 from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.outputs import StepResult
 from nanoserve.server import server_state
+from nanoserve.serving.clock import GateClock, StepClock
 from sim.faults import Fault, inject
 
 C = "/v1/completions"

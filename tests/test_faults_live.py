@@ -22,11 +22,11 @@ from http_harness import hypercorn_on_loopback, serving, stub_parts
 from test_faults import BOUND_S, STREAM, Steps, reference
 from test_server_api import make_app, make_engine
 
-from nanoserve.clock import GateClock, LiveClock
 from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.model.base import Model
 from nanoserve.server import server_state
+from nanoserve.serving.clock import GateClock, LiveClock
 from sim.faults import FaultyModel
 
 C = "/v1/completions"

@@ -18,8 +18,8 @@ import trio
 from http_harness import hypercorn_on_loopback, serving
 from test_server_api import GOOD, assert_error, assert_serving, make_app, make_engine
 
-from nanoserve.clock import LiveClock
 from nanoserve.sampling import MAX_N
+from nanoserve.serving.clock import LiveClock
 
 SECRET = "sk-limits-0123456789abcdef"
 

@@ -18,7 +18,6 @@ import torch
 from http_harness import serving, stub_parts
 from reference import NEAR_TIE, load_reference
 
-from nanoserve.clock import StepClock
 from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.llm import LLM
@@ -28,6 +27,7 @@ from nanoserve.outputs import RequestOutput
 from nanoserve.sampler import TokenLogprobs
 from nanoserve.sampling import SamplingParams
 from nanoserve.server import ServerConfig, counter_ids, create_app
+from nanoserve.serving.clock import StepClock
 from nanoserve.tokenizer import Tokenizer
 
 PROMPT = [1000 + (i * 37) % 900 for i in range(40)]  # 40 tokens: 3 blocks of 16, chunked

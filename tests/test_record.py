@@ -24,10 +24,10 @@ import trio.testing
 from http_harness import hypercorn_on_loopback, serving, sse_events
 from test_server_api import make_engine
 
-from nanoserve.clock import Clock, GateClock, LiveClock
 from nanoserve.engine import Engine
 from nanoserve.server import ServerConfig, counter_ids, create_app, server_state
 from nanoserve.serving import AsyncEngine
+from nanoserve.serving.clock import Clock, GateClock, LiveClock
 from sim.record import TraceRecorder, model_sha256
 from sim.record_trace import frames_by_step
 from sim.trace import FramesByStep, Trace, load_trace

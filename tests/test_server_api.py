@@ -18,11 +18,11 @@ from http_harness import AsgiHarness, serving, stub_parts
 from prometheus_client.openmetrics import parser as openmetrics_parser
 from prometheus_client.parser import text_string_to_metric_families
 
-from nanoserve.clock import GateClock, StepClock
 from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.server import ServerConfig, counter_ids, create_app, server_state
 from nanoserve.server.metrics import TTFT_BUCKETS
+from nanoserve.serving.clock import GateClock, StepClock
 
 CREATED = 1_700_000_000
 GOOD = {"model": "stub", "prompt": "def step(self):", "max_tokens": 4, "temperature": 0.0}

@@ -21,10 +21,10 @@ import trio.testing
 from http_harness import hypercorn_on_loopback, stub_parts
 from test_server_api import make_engine
 
-from nanoserve.clock import GateClock, LiveClock
 from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.server import ServerConfig, counter_ids, create_app, server_state
+from nanoserve.serving.clock import GateClock, LiveClock
 from nanoserve.tokenizer import Tokenizer
 
 PROMPT = "def step(self):"

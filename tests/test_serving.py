@@ -13,7 +13,6 @@ import trio
 import trio.testing
 
 from nanoserve.admission import AdmissionError, Prepared
-from nanoserve.clock import Clock, GateClock, LiveClock, StepClock, VirtualClock
 from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.model.stub import StubModel
@@ -21,6 +20,7 @@ from nanoserve.outputs import StepResult
 from nanoserve.request import Update
 from nanoserve.sampling import ParamError, SamplingParams
 from nanoserve.serving import AsyncEngine, BridgeStats, EngineDeadError
+from nanoserve.serving.clock import Clock, GateClock, LiveClock, StepClock, VirtualClock
 from nanoserve.tokenizer import Tokenizer
 
 NUM_BLOCKS = 512

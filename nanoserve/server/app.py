@@ -27,7 +27,6 @@ from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
 
-from nanoserve.clock import Clock
 from nanoserve.engine import Engine
 from nanoserve.outputs import StepResult
 from nanoserve.server import admin, openai, openapi, recording
@@ -41,6 +40,7 @@ from nanoserve.server.render import TokenText
 from nanoserve.server.respond import SseBody, json_response
 from nanoserve.server.state import Ready, ServerState, counter_ids, current_state
 from nanoserve.serving import AsyncEngine, BridgeStats
+from nanoserve.serving.clock import Clock
 
 log = logging.getLogger("nanoserve.server")
 

@@ -32,7 +32,6 @@ from pathlib import Path
 import hypercorn.config
 import trio
 
-from nanoserve.clock import LiveClock
 from nanoserve.config import ConfigError, EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.model import kv_geometry
@@ -41,6 +40,7 @@ from nanoserve.server import hypercorn_fixes
 from nanoserve.server.app import create_app, drain
 from nanoserve.server.config import ServerConfig
 from nanoserve.server.recording import Recorder
+from nanoserve.serving.clock import LiveClock
 
 log = logging.getLogger("nanoserve.server")
 
