@@ -17,9 +17,11 @@ overloaded or going away and to retry elsewhere, while this server keeps serving
 from __future__ import annotations
 
 import json
+import logging
 from collections import defaultdict
 from typing import Any
 
+import pytest
 import trio
 import trio.testing
 from http_harness import AsgiHarness, serving, stub_parts
@@ -28,9 +30,11 @@ from test_server_api import GOOD, assert_error, make_app, make_engine
 from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.outputs import StepResult
+from nanoserve.sampling import SamplingParams
 from nanoserve.server import server_state
+from nanoserve.serving import AsyncEngine
 from nanoserve.serving.clock import GateClock, StepClock
-from sim.faults import Fault, inject
+from sim.faults import Fault, inject, quiet_injected
 
 C = "/v1/completions"
 STREAM = {**GOOD, "max_tokens": 10, "stream": True, "ignore_eos": True}
@@ -232,3 +236,23 @@ async def test_an_engine_loop_that_dies_fails_everything_and_refuses_new_work() 
         assert len(state.registry) == 0
         assert state.bridge.statistics().in_flight == 0
         assert gate.steps_run == 3
+
+
+async def test_quiet_injected_silences_the_bridge_and_the_server_only_for_injected_faults(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A replay of a fault trace must not print the traceback the bridge logs when its loop
+    # dies (the loggers are named, so a module move cannot rename one from under the filter).
+    engine = faulty_engine(Fault("schedule_raises", 1))
+    caplog.set_level(logging.ERROR)
+    with quiet_injected():
+        async with AsyncEngine.open(engine, StepClock()) as bridge:
+            out = await bridge.generate(bridge.prepare([1000, 1001], SamplingParams(
+                temperature=0, max_tokens=2)))
+    assert out.outputs[0].finish_reason == "error"
+    assert not [r for r in caplog.records if r.exc_info]
+    caplog.clear()
+    logging.getLogger("nanoserve.serving").error("not injected", exc_info=ValueError("x"))
+    with quiet_injected():
+        logging.getLogger("nanoserve.serving").error("not injected", exc_info=ValueError("y"))
+    assert len(caplog.records) == 2

@@ -42,7 +42,7 @@ from nanoserve.sampling import ParamError, SamplingParams
 from nanoserve.serving.clock import Clock
 from nanoserve.serving.stream import RequestStream
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("nanoserve.serving")  # the name it had before the package split
 
 Prompt = str | Sequence[int]
 StepListener = Callable[[StepResult], None]
