@@ -36,14 +36,14 @@ replay *args: setup
 
 # Time the capacity simulator on 10,000 requests (flags: --cost COST.json, --n, --rate).
 capacity-bench *args: setup
-    {{py}} -m sim.capacity_bench {{args}}
+    {{py}} -m sim.capacity.bench {{args}}
 
 # Online serving figures: `sim bench` at 16 streaming clients against `nanoserve serve`
 # (SmolLM2) and, once `just peer-setup` has run, against `transformers serve` on the same
 # weights; then the prefix-cache TTFT check. Flags: --n, --concurrency, --output-tokens,
 # --peer-n (the peer serves one request at a time: 64 of them take long on 2 cores), ...
 bench-online *args: setup
-    {{py}} -m sim.bench_online $([ -x .venv/peer/bin/python ] && echo --peer-python .venv/peer/bin/python) {{args}}
+    {{py}} -m sim.bench.online $([ -x .venv/peer/bin/python ] && echo --peer-python .venv/peer/bin/python) {{args}}
 
 # The peer's interpreter for bench-online: nanoserve's packages plus FastAPI and Uvicorn,
 # which `transformers serve` needs and nanoserve does not (kept apart, inside .venv/).
@@ -67,11 +67,11 @@ guidellm-setup: setup
 # GuideLLM against `nanoserve serve` (SmolLM2) at 1 and 16 concurrent streams, 128-token
 # prompts and 64 output tokens: its TTFT, ITL and throughput (flags: --model, --streams, ...).
 bench-guidellm *args: guidellm-setup
-    {{py}} -m sim.bench_guidellm {{args}}
+    {{py}} -m sim.bench.guidellm {{args}}
 
 # nanoserve beside llama.cpp on the same GGUF: llama-bench, llama-batched-bench, and
 # llama-server against nanoserve serve (sim bench at 1 and 16 streams; GuideLLM too once
 # `just guidellm-setup` has run). The first run builds llama.cpp from the llama-cpp-python
 # sdist on PyPI (about 7 minutes on 2 cores), cached after. Flags: --rounds, --n16, ...
 bench-llamacpp *args: setup
-    {{py}} -m sim.bench_llamacpp {{args}}
+    {{py}} -m sim.bench.llamacpp {{args}}

@@ -29,7 +29,7 @@ class Engine:
     def __init__(self, model: Model, tokenizer: Tokenizer, config: EngineConfig | None = None,
                  *, make_scheduler: SchedulerFactory = Scheduler):
         """`make_scheduler` builds the scheduler over the engine's KV manager: Scheduler
-        itself, or a subclass a harness hands in (sim/faults.py's fails on cue)."""
+        itself, or a subclass a harness hands in (sim/replay/faults.py's fails on cue)."""
         config = config or EngineConfig()
         self.model = model
         self.tokenizer = tokenizer

@@ -23,7 +23,7 @@ class StepResult:
     preempted: tuple[str, ...]
     num_prefill_tokens: int
     num_decode_tokens: int
-    # What a step-cost model needs beyond token counts (sim/cost.py): rows in prefill, and
+    # What a step-cost model needs beyond token counts (sim/capacity/cost.py): rows in prefill, and
     # the attention work as (query, key) pairs: a decode row attends to its whole context,
     # a prefill chunk [start, end) causally to sum(p + 1 for p in range(start, end)).
     num_prefill_seqs: int = 0

@@ -4,7 +4,7 @@ expectation lines, whose figures tests/test_replay_faults.py checks by hand).
     python scripts/make_fault_traces.py [--out traces]
     python -m sim.cli replay --update traces/fault_*.jsonl
 
-Faults are injected by the replay (sim/faults.py) as each header's `faults` say. Token 588,
+Faults are injected by the replay (sim/replay/faults.py) as each header's `faults` say. Token 588,
 the one the tokenizer cannot decode, is what the stub samples greedily as the 11th token of
 r3 and the 8th of r4 (their seeds and prompts), and never for r2 nor in any prompt.
 """
@@ -15,7 +15,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from sim.trace import ClientSpec, Trace, TraceHeader, TraceRequest, write_trace
+from sim.trace.format import ClientSpec, Trace, TraceHeader, TraceRequest, write_trace
 
 ENGINE = {"block_size": 16, "num_blocks": 128, "max_num_seqs": 8,
           "max_num_batched_tokens": 256, "seed": 0, "max_model_len": 1024}

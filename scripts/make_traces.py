@@ -14,8 +14,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from sim.trace import ClientSpec, EverySeconds, EverySteps, Trace, TraceHeader, TraceRequest
-from sim.trace import write_trace as write
+from sim.trace.format import ClientSpec, EverySeconds, EverySteps, Trace, TraceHeader, TraceRequest
+from sim.trace.format import write_trace as write
 
 ENGINE = {"block_size": 16, "num_blocks": 128, "max_num_seqs": 8,
           "max_num_batched_tokens": 256, "seed": 0, "max_model_len": 1024}

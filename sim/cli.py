@@ -8,7 +8,7 @@
   sim soak ...                    hang-up storms and slow readers against a live server
 
 `sim load` takes its spec as one `--load` string, as individual flags, or both (a flag wins
-over the same key in the string); either way one parser reads it (sim.load_spec). What the
+over the same key in the string); either way one parser reads it (sim.load.spec). What the
 commands share (the error guard, `--engine`) lives in sim.cli_util, which imports none.
 """
 
@@ -22,12 +22,17 @@ from typing import Any
 from nanoserve.config import ConfigError
 from nanoserve.model.loader import resolve_model
 from nanoserve.tokenizer import Tokenizer
-from sim import bench_cli, capacity_cli, load_spec, profile, replay_cli, soak, validate
+from sim.bench import cli as bench_cli
+from sim.capacity import cli as capacity_cli
+from sim.capacity import profile, validate
 from sim.cli_util import engine_overrides
-from sim.convert import convert_azure, read_azure_csv
-from sim.load import generate_load
-from sim.load_spec import load_spec_from_pairs, split_load_spec
-from sim.trace import write_trace
+from sim.load import spec as load_spec
+from sim.load.azure import convert_azure, read_azure_csv
+from sim.load.spec import load_spec_from_pairs, split_load_spec
+from sim.load.synthetic import generate_load
+from sim.replay import cli as replay_cli
+from sim.soak import run as soak
+from sim.trace.format import write_trace
 
 # Flags of `sim load` and the spec keys they set.
 _LOAD_FLAGS = {

@@ -22,9 +22,9 @@ from typing import Any
 
 import trio
 
-from sim import asgi_client
-from sim.asgi_client import lifespan, sse_events
-from sim.loopback import hypercorn_on_loopback  # noqa: F401  (re-exported for the tests)
+from sim.http import asgi_client
+from sim.http.asgi_client import lifespan, sse_events
+from sim.http.loopback import hypercorn_on_loopback  # noqa: F401  (re-exported for the tests)
 
 Message = dict[str, Any]
 

@@ -1,4 +1,4 @@
-"""sim/calibrate.py: the machine's speed against a cost model, from the profile's own grid
+"""sim/capacity/calibrate.py: the machine's speed against a cost model, from the profile's own grid
 code; timings are injected (a step "takes" a known time), never measured."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 from nanoserve.model.loader import resolve_model
 from nanoserve.model.stub import StubModel
 from nanoserve.tokenizer import Tokenizer
-from sim.calibrate import CHECK_GRID, geometric_mean, machine_speed, scaled, steal_seconds
-from sim.cost import CostModel
+from sim.capacity.calibrate import CHECK_GRID, geometric_mean, machine_speed, scaled, steal_seconds
+from sim.capacity.cost import CostModel
 
 
 def ticking(step_s: float) -> object:

@@ -15,14 +15,14 @@ from nanoserve.config import EngineConfig
 from nanoserve.model.loader import resolve_model
 from nanoserve.sampling import SamplingParams
 from nanoserve.tokenizer import Tokenizer
-from sim.capacity import Plan, Planner
-from sim.capacity_cli import plan_capacity
-from sim.capacity_load import SimRequest, Workload, spec_workload
-from sim.capacity_metrics import measured, parse_slo, percentile
-from sim.capacity_report import dumps_report
+from sim.capacity.cli import plan_capacity
+from sim.capacity.cost import CostModel
+from sim.capacity.metrics import measured, parse_slo, percentile
+from sim.capacity.plan import Plan, Planner
+from sim.capacity.report import dumps_report
 from sim.cli import main
-from sim.cost import CostModel
-from sim.load_spec import parse_load_spec
+from sim.load.spec import parse_load_spec
+from sim.load.workload import SimRequest, Workload, spec_workload
 
 COST = CostModel((0.01, 1e-4, 5e-4, 2e-3, 2e-6, 1e-8, 0.0, 0.0), name="synthetic-test",
                  model="stub", machine={"cpu": "test"}, kv_bytes_per_token=46080)

@@ -1,4 +1,4 @@
-"""The engine-level virtual clock (sim.fleet) against the bridge, and the pieces under it:
+"""The engine-level virtual clock (sim.capacity.fleet) against the bridge, and the pieces under it:
 the stub's direct greedy picks, the step's work counts, 429s and hang-ups."""
 
 from __future__ import annotations
@@ -22,17 +22,17 @@ from nanoserve.sampling import SamplingParams
 from nanoserve.serving import AsyncEngine
 from nanoserve.serving.clock import VirtualClock
 from nanoserve.tokenizer import Tokenizer
-from sim.calibrate import geometric_mean, scaled
-from sim.capacity import flat
-from sim.capacity_load import SimRequest, spec_workload, trace_workload
+from sim.capacity.calibrate import geometric_mean, scaled
+from sim.capacity.cost import CostModel
+from sim.capacity.fleet import Record, simulate
+from sim.capacity.plan import flat
+from sim.capacity.validate import COMPARED, drive_bridge, predict
 from sim.cli import main
 from sim.cli_util import engine_config
-from sim.cost import CostModel
-from sim.fleet import Record, simulate
-from sim.load import generate_load
-from sim.load_spec import parse_load_spec
-from sim.trace import write_trace
-from sim.validate import COMPARED, drive_bridge, predict
+from sim.load.spec import parse_load_spec
+from sim.load.synthetic import generate_load
+from sim.load.workload import SimRequest, spec_workload, trace_workload
+from sim.trace.format import write_trace
 
 COST = CostModel((0.01, 1e-4, 5e-4, 2e-3, 2e-6, 1e-8, 0.0, 0.0), name="synthetic")
 

@@ -1,6 +1,7 @@
 """Faults at the HTTP level (issue 9, part 3), in process through the ASGI harness, on the gate
 clock: a model step that raises, a tokenizer that raises at encode and at decode, and an
-engine loop that dies. Each fault is injected by sim.faults' wrappers around the stub's parts.
+engine loop that dies. Each fault is injected by sim.replay.faults' wrappers around the
+stub's parts.
 
 A fault the engine can contain affects only its own requests: they end with an error (a
 stream: an error frame, then [DONE]; unary: a 500 with the OpenAI error object), everyone
@@ -34,7 +35,7 @@ from nanoserve.sampling import SamplingParams
 from nanoserve.server import server_state
 from nanoserve.serving import AsyncEngine
 from nanoserve.serving.clock import GateClock, StepClock
-from sim.faults import Fault, inject, quiet_injected
+from sim.replay.faults import Fault, inject, quiet_injected
 
 C = "/v1/completions"
 STREAM = {**GOOD, "max_tokens": 10, "stream": True, "ignore_eos": True}

@@ -27,7 +27,7 @@ from nanoserve.engine import Engine
 from nanoserve.model.base import Model
 from nanoserve.server import server_state
 from nanoserve.serving.clock import GateClock, LiveClock
-from sim.faults import FaultyModel
+from sim.replay.faults import FaultyModel
 
 C = "/v1/completions"
 

@@ -20,7 +20,7 @@ from test_server_api import make_engine
 from nanoserve.model.loader import resolve_model
 from nanoserve.server import ServerConfig, counter_ids, create_app, server_state
 from nanoserve.serving.clock import LiveClock
-from sim.bench_guidellm import GUIDELLM, guidellm_command, offline_env, summarize
+from sim.bench.guidellm import GUIDELLM, guidellm_command, offline_env, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 

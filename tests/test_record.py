@@ -4,7 +4,7 @@ The stub cases run an in-process Hypercorn on 127.0.0.1 under the gate clock, so
 decides which boundary every arrival and hang-up lands on and can assert exact `at_step`,
 `hangup_at_step`, frames and steps; the clients are raw sockets (a thread-run HTTP client
 would be invisible to `wait_all_tasks_blocked`). Each recorded trace is then replayed by
-`sim.replay` and must come out clean. The `real` case is the issue's must-show: SmolLM2 on
+`sim.replay.run` and must come out clean. The `real` case is the issue's must-show: SmolLM2 on
 the live clock, several clients, one hanging up mid-stream, one giving up on a unary
 request, recorded and replayed with the same tokens.
 """
@@ -28,9 +28,9 @@ from nanoserve.engine import Engine
 from nanoserve.server import ServerConfig, counter_ids, create_app, server_state
 from nanoserve.serving import AsyncEngine
 from nanoserve.serving.clock import Clock, GateClock, LiveClock
-from sim.record import TraceRecorder, model_sha256
-from sim.record_trace import frames_by_step
-from sim.trace import FramesByStep, Trace, load_trace
+from sim.record.recorder import TraceRecorder, model_sha256
+from sim.record.trace import frames_by_step
+from sim.trace.format import FramesByStep, Trace, load_trace
 
 PROMPT = "def step(self):"
 
@@ -129,7 +129,7 @@ def lines(trace: Trace) -> dict[str, dict[str, Any]]:
 
 
 async def replay_in_thread(path: Path, **kw: Any) -> Any:
-    from sim.replay import replay
+    from sim.replay.run import replay
 
     return await trio.to_thread.run_sync(partial(replay, path, **kw))
 
@@ -608,7 +608,7 @@ async def test_sigint_flushes_a_complete_trace(tmp_path: Path) -> None:
 
 
 def test_the_loader_checks_a_recorded_reading_pattern() -> None:
-    from sim.trace import TraceError, dumps_trace, loads_trace
+    from sim.trace.format import TraceError, dumps_trace, loads_trace
 
     head = ('{"nanoserve_trace": 1, "clock": "step", "model": "stub", "engine": {"block_size":'
             ' 16, "num_blocks": 8, "max_num_seqs": 2, "max_num_batched_tokens": 64, "seed": 0}}')

@@ -20,9 +20,9 @@ import pytest
 from nanoserve.model.llama import LlamaModel
 from nanoserve.tokenizer import Tokenizer
 from sim import cli
-from sim.expect import diff_value
-from sim.replay import ReplayError, replay, twin_trace
-from sim.trace import Expectation, load_trace, write_trace
+from sim.replay.run import ReplayError, replay, twin_trace
+from sim.trace.expect import diff_value
+from sim.trace.format import Expectation, load_trace, write_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACES = sorted((ROOT / "traces").glob("*.jsonl"))
@@ -188,7 +188,7 @@ def test_the_digest_is_the_same_in_another_process() -> None:
                     reason="../shared/traces is not here")
 def test_a_converted_virtual_clock_trace_replays_clean(tmp_path: Path) -> None:
     from nanoserve.model import load
-    from sim.convert import convert_azure, read_azure_csv
+    from sim.load.azure import convert_azure, read_azure_csv
 
     _, tok = load("stub")
     rows = read_azure_csv(SHARED / "AzureLLMInferenceTrace_conv.csv")
@@ -245,7 +245,7 @@ def test_an_engine_loop_that_dies_is_reported_not_waited_for() -> None:
 
 
 def test_cost_models(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from sim.replay_setup import DEFAULT_STEP_S, cost_function
+    from sim.replay.setup import DEFAULT_STEP_S, cost_function
 
     assert cost_function(None)(None) == DEFAULT_STEP_S  # type: ignore[arg-type]
     assert cost_function(0.25)(None) == 0.25  # type: ignore[arg-type]
@@ -268,8 +268,8 @@ def test_cost_models(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
 def test_other_weights_under_the_headers_name_check_invariants_only(
     monkeypatch: pytest.MonkeyPatch, smollm2_model: LlamaModel, smollm2_tokenizer: Tokenizer
 ) -> None:
-    from sim import replay_setup
-    from sim.replay_setup import _weights_sha256, resolve_weights
+    from sim.replay import setup as replay_setup
+    from sim.replay.setup import _weights_sha256, resolve_weights
 
     # The session's model, not a second load of it; the digest comes from its folder.
     monkeypatch.setattr(replay_setup, "_load", lambda name: (smollm2_model, smollm2_tokenizer))

@@ -19,8 +19,15 @@ import pytest
 
 from nanoserve.serving import AsyncEngine
 from sim import cli
-from sim.replay import replay
-from sim.trace import Expectation, TraceError, dumps_trace, load_trace, loads_trace, write_trace
+from sim.replay.run import replay
+from sim.trace.format import (
+    Expectation,
+    TraceError,
+    dumps_trace,
+    load_trace,
+    loads_trace,
+    write_trace,
+)
 
 TRACES = Path(__file__).resolve().parent.parent / "traces"
 HEADER = {"nanoserve_trace": 1, "clock": "step", "model": "stub",

@@ -17,7 +17,7 @@ from nanoserve.request import Request, Update
 from nanoserve.scheduler import Scheduler
 from nanoserve.server.render import Choice, Json, Shapes
 from nanoserve.serving import AsyncEngine
-from sim.replay import replay
+from sim.replay.run import replay
 
 TRACES = Path(__file__).resolve().parent.parent / "traces"
 

@@ -25,20 +25,20 @@ from http_harness import stub_parts
 from test_server_api import make_engine
 from test_server_live import live
 
-from sim import bench_cli
-from sim.bench_client import BenchRequest, make_client, prepare_body, run_load, send_one
-from sim.bench_prefix import prefix_requests, run_prefix_test
-from sim.bench_sse import SseParser, read_chunk
-from sim.bench_stats import (
+from sim.bench import cli as bench_cli
+from sim.bench.client import BenchRequest, make_client, prepare_body, run_load, send_one
+from sim.bench.prefix import prefix_requests, run_prefix_test
+from sim.bench.stats import (
     RequestRecord,
     meets_slo,
     parse_slo,
     percentile,
     summarize,
 )
-from sim.convert import PromptSynth
-from sim.load import generate_load
-from sim.load_spec import parse_load_spec
+from sim.http.sse import SseParser, read_chunk
+from sim.load.azure import PromptSynth
+from sim.load.spec import parse_load_spec
+from sim.load.synthetic import generate_load
 
 # ------------------------------------------------------------------------------ SSE parser
 
@@ -370,7 +370,7 @@ async def test_prefix_test_requests_and_ratio() -> None:
 
 
 def test_side_by_side_table() -> None:
-    from sim.bench_online import side_by_side
+    from sim.bench.online import side_by_side
 
     a = summarize([rec(0, 0.1, 1.1, 11)], 2.0)
     b = summarize([rec(0, 0.5, 10.5, 11)], 20.0)

@@ -12,13 +12,13 @@ import pytest
 
 from nanoserve.tokenizer import Tokenizer
 from sim.cli import main
-from sim.convert import (
+from sim.load.azure import (
     ConvertError,
     convert_azure,
     parse_azure_timestamp,
     read_azure_csv,
 )
-from sim.load import (
+from sim.load.synthetic import (
     LoadSpec,
     SpecError,
     arrival_times,
@@ -29,7 +29,7 @@ from sim.load import (
     scale_arrivals,
     unit_arrivals,
 )
-from sim.trace import dumps_trace, load_trace, loads_trace
+from sim.trace.format import dumps_trace, load_trace, loads_trace
 
 SHARED_TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 CSV = """\

@@ -1,4 +1,4 @@
-"""The soak (sim.soak): concurrent flaky clients through a real Hypercorn socket, live clock.
+"""The soak (sim.soak.run): concurrent flaky clients through a real Hypercorn socket, live clock.
 
 The 60-client run asserts every figure the seeded plan predicts, exactly: which clients
 complete, how many hang up and of which kind, that the bridge aborted exactly those and the
@@ -19,9 +19,9 @@ import pytest
 
 from nanoserve.server import openai as openai_routes
 from nanoserve.serving import RequestStream
-from sim import soak_twin
-from sim.soak import RSS_LIMIT, SoakConfig, SoakResult, run_soak
-from sim.soak_plan import HANGUP_KINDS, HANGUP_MAX_TOKENS, make_plan
+from sim.soak import twin as soak_twin
+from sim.soak.plan import HANGUP_KINDS, HANGUP_MAX_TOKENS, make_plan
+from sim.soak.run import RSS_LIMIT, SoakConfig, SoakResult, run_soak
 
 
 def test_plan_is_seeded_with_exact_shares() -> None:

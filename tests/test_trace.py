@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from sim.trace import (
+from sim.trace.format import (
     ClientSpec,
     EverySeconds,
     EverySteps,

@@ -77,7 +77,7 @@ def quantize(weight: torch.Tensor, fmt: str) -> QuantWeight:
 DENSE_FROM_ROWS = 128
 # Up to this many rows the kernel dequantizes the weights in registers (csrc/quant.cpp's
 # kRegisterRows); between it and DENSE_FROM_ROWS, four weight rows at a time into L1. The
-# cost model (sim/cost.py) prices a row in that middle band apart.
+# cost model (sim/capacity/cost.py) prices a row in that middle band apart.
 REGISTER_ROWS = 8
 
 

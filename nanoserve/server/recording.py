@@ -12,7 +12,7 @@ The connection class wraps the ASGI `receive` and `send` of the generation route
 a server without a recorder runs exactly the code it always did. The route links its engine
 ids through the ASGI scope, which the connection and the Quart request share (Starlette
 keeps its own per-request state in the scope the same way). The recorder itself lives in
-`sim.record`; nanoserve never imports sim (the CLI's composition root hands it in).
+`sim.record.recorder`; nanoserve never imports sim (the CLI's composition root hands it in).
 """
 
 from __future__ import annotations

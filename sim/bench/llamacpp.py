@@ -1,0 +1,198 @@
+"""`python -m sim.bench.llamacpp` (`just bench-llamacpp`): nanoserve beside llama.cpp on the
+same GGUF file, in one run on this machine.
+
+llama.cpp's binaries are built once from the llama.cpp that the llama-cpp-python sdist on
+PyPI vendors (scripts/build_llamacpp.sh; a while on 2 cores, then cached). Then, with both
+on 2 threads:
+
+- batch-1 decode: `llama-bench -t 2 -p 128 -n 64` against `nanoserve bench`'s batch-1 line,
+  with the bound it is measured against (quantized weight bytes over the bandwidth of a
+  large copy, measured in the same process), and the offline figure beside it;
+- 16 sequences: `llama-batched-bench -npp 128 -ntg 64 -npl 16` (for the record);
+- online, streaming, 128-token prompts and 64 output tokens: `sim bench` at 1 and at 16
+  concurrent clients against `llama-server -np 16` and `nanoserve serve`, one server at a
+  time, in `--rounds` alternating rounds; and GuideLLM against both where
+  `just guidellm-setup` has run;
+- memory: `nanoserve serve`'s resident set (its /metrics process collector) after one
+  request, with the GGUF's blocks and with float32 weights.
+
+Every figure goes to --out-dir as JSON; the table at the end sets each beside its peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from sim.bench.guidellm import GUIDELLM, guidellm_command, offline_env, summarize
+from sim.bench.online import stop, wait_healthy
+
+PY = sys.executable
+
+
+def build() -> Path:
+    out = subprocess.run(["bash", "scripts/build_llamacpp.sh"], check=True,
+                         stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHON": PY})
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def llama_bench(bins: Path, gguf: Path) -> dict[str, float]:
+    out = subprocess.run([str(bins / "llama-bench"), "-m", str(gguf), "-t", "2", "-p", "128",
+                          "-n", "64", "-o", "json"], check=True, capture_output=True, text=True)
+    rows = json.loads(out.stdout)
+    return {("pp128" if r["n_prompt"] else "tg64"): round(float(r["avg_ts"]), 2) for r in rows}
+
+
+def batched_bench(bins: Path, gguf: Path) -> dict[str, float]:
+    out = subprocess.run([str(bins / "llama-batched-bench"), "-m", str(gguf), "-t", "2",
+                          "-c", "4096", "-npp", "128", "-ntg", "64", "-npl", "16"],
+                         check=True, capture_output=True, text=True)
+    row = next(line for line in out.stdout.splitlines() if line.startswith("|   128"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    return {"pp_tok_s": float(cells[5]), "tg_tok_s": float(cells[7])}
+
+
+def nanoserve_bench(n: int) -> dict[str, Any]:
+    out = subprocess.run([PY, "-m", "nanoserve.cli", "bench", "--n", str(n), "--quiet"],
+                         check=True, capture_output=True, text=True)
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def serve(kind: str, bins: Path, gguf: Path, port: int, quantization: str = "auto"
+          ) -> subprocess.Popen[bytes]:
+    if kind == "llama-server":
+        cmd = [str(bins / "llama-server"), "-m", str(gguf), "-t", "2", "-np", "16", "-c", "4096",
+               "--host", "127.0.0.1", "--port", str(port)]
+    else:
+        cmd = [PY, "-m", "nanoserve.cli", "serve", "--port", str(port), "--log-level",
+               "warning", "--quantization", quantization]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_healthy(f"http://127.0.0.1:{port}", proc, 600)
+    return proc
+
+
+def online(url: str, label: str, concurrency: int, n: int, out: Path) -> dict[str, Any]:
+    path = out / f"online_{label}_{concurrency}.json"
+    subprocess.run([PY, "-m", "sim.cli", "bench", "--url", url, "--label", label,
+                    "--concurrency", str(concurrency), "--n", str(n), "--prompt", "fixed:128",
+                    "--output", "fixed:64", "--out", str(path)], check=True,
+                   stdout=subprocess.DEVNULL)
+    s = json.loads(path.read_text())["summary"]
+    return {"output_tok_s": s["output_throughput"], "ttft_p50_ms": s["ttft_ms"]["p50"],
+            "ttft_p99_ms": s["ttft_ms"]["p99"], "tpot_p50_ms": s["tpot_ms"]["p50"],
+            "failed": s["failed"]}
+
+
+def guidellm(url: str, model: str, label: str, streams: int, n: int, out: Path
+             ) -> dict[str, Any]:
+    from nanoserve.model.loader import resolve_model
+
+    report = out / f"guidellm_{label}_{streams}.json"
+    cmd = guidellm_command(url, model, resolve_model("smollm2"), streams=streams, requests=n,
+                           prompt_tokens=128, output_tokens=64, out_json=report)
+    subprocess.run(cmd, check=True, env=offline_env(), stdout=subprocess.DEVNULL,
+                   stderr=subprocess.STDOUT)
+    return summarize(json.loads(report.read_text()))
+
+
+def rss_mib(url: str) -> float:
+    """The server's resident set after one request, from its /metrics process collector."""
+    httpx.post(f"{url}/v1/completions", json={"prompt": "Hello", "max_tokens": 8}, timeout=120)
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    line = next(ln for ln in text.splitlines() if ln.startswith("process_resident_memory_bytes"))
+    return round(float(line.split()[-1]) / 2**20, 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sim.bench.llamacpp", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=1, help="alternating online rounds [1]")
+    ap.add_argument("--n16", type=int, default=64, help="requests at 16 clients [64]")
+    ap.add_argument("--n1", type=int, default=8, help="requests at 1 client [8]")
+    ap.add_argument("--port", type=int, default=8130)
+    ap.add_argument("--no-guidellm", action="store_true")
+    ap.add_argument("--out-dir", default="bench/results")
+    a = ap.parse_args(argv)
+    from nanoserve.model.loader import embedded_gguf_path
+
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    gguf = embedded_gguf_path()
+    bins = build()
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}, load average {os.getloadavg()}; "
+          f"{gguf.name}; llama.cpp from {bins}", flush=True)
+    r: dict[str, Any] = {"llama_bench": llama_bench(bins, gguf),
+                         "nanoserve_bench": nanoserve_bench(64)}
+    print(f"batch-1 decode: llama-bench tg64 {r['llama_bench']['tg64']} tok/s, nanoserve "
+          f"{r['nanoserve_bench']['single_decode_tokens_per_s']} tok/s", flush=True)
+    r["llama_batched_bench"] = batched_bench(bins, gguf)
+    url = f"http://127.0.0.1:{a.port}"
+    use_guidellm = not a.no_guidellm and GUIDELLM.exists()
+    for k in range(a.rounds):
+        for kind in ("llama-server", "nanoserve"):
+            proc = serve(kind, bins, gguf, a.port)
+            try:
+                model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+                for c, n in ((1, a.n1), (16, a.n16)):
+                    r.setdefault("online", {}).setdefault(f"{kind} c{c}", []).append(
+                        online(url, kind, c, n, out))
+                    if use_guidellm:
+                        r.setdefault("guidellm", {}).setdefault(f"{kind} c{c}", []).append(
+                            guidellm(url, model, kind, c, n, out))
+            finally:
+                stop(proc)
+            print(f"round {k + 1}: {kind} done", flush=True)
+    r["rss_mib"] = {}
+    for q in ("auto", "none"):
+        proc = serve("nanoserve", bins, gguf, a.port, quantization=q)
+        try:
+            r["rss_mib"][q] = rss_mib(url)
+        finally:
+            stop(proc)
+    (out / "llamacpp_side_by_side.json").write_text(json.dumps(r, indent=1) + "\n")
+    print(report(r))
+    return 0
+
+
+def report(r: dict[str, Any]) -> str:
+    nb, lb = r["nanoserve_bench"], r["llama_bench"]
+    lines = [
+        f"batch-1 decode tok/s: nanoserve {nb['single_decode_tokens_per_s']}, llama-bench tg64 "
+        f"{lb['tg64']} ({nb['single_decode_tokens_per_s'] / lb['tg64']:.2f}x); bound "
+        f"{nb['bandwidth_bound_tokens_per_s']} ({nb['single_decode_tokens_per_s'] / nb['bandwidth_bound_tokens_per_s']:.0%} of it: "  # noqa: E501
+        f"{nb.get('weight_mbytes', '?')} MB at {nb['copy_gbytes_per_s']} GB/s)",
+        f"prefill: llama-bench pp128 {lb['pp128']} tok/s; 16 sequences: llama-batched-bench "
+        f"TG {r['llama_batched_bench']['tg_tok_s']} tok/s",
+        f"offline nanoserve bench --n 64: {nb['output_tokens_per_s']} output tok/s, "
+        f"{nb['fraction_of_mm_peak']:.0%} of a 2048 mm's {nb['mm2048_gflops']} GFLOP/s",
+        f"RSS after one request, MiB: nanoserve Q4_1 {r['rss_mib']['auto']}, float32 "
+        f"{r['rss_mib']['none']}",
+    ]
+    for what in ("online", "guidellm"):
+        runs = r.get(what)
+        if not runs:
+            continue
+        key = "output_tok_s" if what == "online" else "output_tok_per_s"
+        p99 = "ttft_p99_ms" if what == "online" else "ttft_ms_p99"
+        for c in (1, 16):
+            ours, peer = runs[f"nanoserve c{c}"], runs[f"llama-server c{c}"]
+            mo = sum(x[key] for x in ours) / len(ours)
+            mp = sum(x[key] for x in peer) / len(peer)
+            lines.append(
+                f"{what} {c} stream{'s' if c > 1 else ''}: nanoserve {mo:.1f} tok/s, "
+                f"llama-server {mp:.1f} ({mo / mp:.2f}x); p99 TTFT ms "
+                f"{[round(x[p99]) for x in ours]} vs {[round(x[p99]) for x in peer]}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""Command lines of `sim capacity`, `sim profile` and `sim validate` (registered by sim/cli.py).
+
+  sim capacity (TRACE | --load SPEC) --cost COST.json [--sweep rate=1,2,4,8]
+               [--sweep num_blocks=...] [--sweep max_num_seqs=...] [--slo ttft_p99=2s,...]
+               [--seeds 3] [--warmup 0.1] [--replicas N --router KIND] [--max-queue N]
+               [--engine k=v ...] [--out PREFIX] [--no-plots]
+  sim profile --model smollm2 [--out COST.json] [--quick]
+  sim validate --load SPEC --cost COST.json [--runs 3] [--engine k=v ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+from pathlib import Path
+from typing import Any
+
+from nanoserve.model.loader import resolve_model
+from nanoserve.progress import LabelledProgress
+from nanoserve.tokenizer import Tokenizer
+from sim.capacity.cost import load_cost_model
+from sim.capacity.fleet import ROUTERS
+from sim.capacity.metrics import parse_slo
+from sim.capacity.plan import Plan, Planner, default_num_blocks
+from sim.capacity.report import build_report, dumps_report, table, write_csv, write_plots
+from sim.cli_util import ENGINE_KEYS, engine_config, guarded
+from sim.load.spec import parse_load_spec
+from sim.load.workload import Workload, spec_workload, trace_workload
+
+SWEEPABLE = ("rate", "num_blocks", "max_num_seqs")
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("capacity", help="sweep rates / pool sizes / batch limits on the "
+                       "engine in modelled time, and search the highest rate meeting an SLO",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("trace", nargs="?", metavar="TRACE", help="a virtual-clock trace")
+    p.add_argument("--load", metavar="SPEC", help="a load spec (see `sim load --help`)")
+    p.add_argument("--cost", required=True, metavar="COST.json", help="from `sim profile`")
+    p.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2,...",
+                   help=f"sweep one of {', '.join(SWEEPABLE)} (repeatable: the grid is "
+                   "their product)")
+    p.add_argument("--slo", metavar="TARGETS", help="e.g. ttft_p99=2s,tpot_p99=200ms: adds "
+                   "goodput and searches the highest rate that meets it")
+    p.add_argument("--seeds", type=int, default=3, help="seeds per point (load spec only) [3]")
+    p.add_argument("--warmup", type=float, default=0.1,
+                   help="fraction of requests (by arrival) left out of the metrics [0.1]")
+    p.add_argument("--replicas", type=int, default=1, help="identical servers [1]")
+    p.add_argument("--router", choices=ROUTERS, default="round_robin")
+    p.add_argument("--max-queue", type=int, metavar="N",
+                   help="the server's --max-queue: a request beyond N waiting gets 429")
+    p.add_argument("--engine", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                   help=f"engine settings ({', '.join(ENGINE_KEYS)})")
+    p.add_argument("--search-start", type=float, metavar="RATE",
+                   help="first rate the SLO search tries [the highest swept rate meeting it]")
+    p.add_argument("--out", default="capacity", metavar="PREFIX",
+                   help="writes PREFIX.json, PREFIX.csv, PREFIX.latency.png, "
+                   "PREFIX.timeline.png [capacity]")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--tokenizer", default="smollm2", metavar="MODEL")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (shown on a terminal)")
+    p.set_defaults(main=guarded(run_capacity))
+
+
+def parse_sweeps(items: list[str]) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {}
+    for item in items:
+        key, eq, values = item.partition("=")
+        if not eq or key not in SWEEPABLE:
+            raise ValueError(f"--sweep takes {'|'.join(SWEEPABLE)}=V1,V2,..., got {item!r}")
+        if key in out:
+            raise ValueError(f"--sweep {key} given twice")
+        try:
+            vals = [float(v) for v in values.split(",") if v.strip()]
+        except ValueError:
+            raise ValueError(f"--sweep {key}: values must be numbers, got {values!r}") from None
+        if not vals or any(v <= 0 for v in vals):
+            raise ValueError(f"--sweep {key}: needs values > 0, got {values!r}")
+        if key != "rate" and any(v != int(v) for v in vals):
+            raise ValueError(f"--sweep {key}: values must be integers, got {values!r}")
+        out[key] = vals
+    return out
+
+
+def run_capacity(a: argparse.Namespace) -> int:
+    if (a.trace is None) == (a.load is None):
+        raise ValueError("give a TRACE or --load SPEC (one of them)")
+    cost = load_cost_model(a.cost)
+    engine = engine_config(a.engine)
+    sweeps = parse_sweeps(a.sweep)
+    slo = parse_slo(a.slo) if a.slo else None
+    plan = Plan(engine, a.replicas, a.router, a.max_queue, a.warmup, slo)
+    tok = Tokenizer.from_folder(resolve_model(a.tokenizer))
+    if a.load is not None:
+        spec = parse_load_spec(a.load)
+        seeds = [spec.seed + k for k in range(max(a.seeds, 1))]
+        workloads = [spec_workload(dataclasses.replace(spec, seed=s), tok, tok.vocab_size)
+                     for s in seeds]
+    else:
+        seeds = [0]
+        workloads = [trace_workload(a.trace, tok)]
+    report = plan_capacity(workloads, seeds, cost, plan, tok, sweeps, a.search_start,
+                           progress=LabelledProgress(enabled=not a.quiet,
+                                                            unit="request"), plots=not a.no_plots,
+                           out=Path(a.out))
+    print(table(report))
+    print(f"wrote {a.out}.json, {a.out}.csv" + ("" if a.no_plots else
+          f", {a.out}.latency.png, {a.out}.timeline.png"))
+    return 0
+
+
+def plan_capacity(workloads: list[Workload], seeds: list[int], cost: Any, plan: Plan,
+                  tok: Tokenizer, sweeps: dict[str, list[float]], search_start: float | None,
+                  *, progress: Any = None, plots: bool = False, out: Path | None = None
+                  ) -> dict[str, Any]:
+    """The whole run: every grid point, the SLO searches, the report (and its files)."""
+    planner = Planner(workloads, cost, plan, tok, progress)
+    rates: list[float | None] = list(sweeps.get("rate", [None]))
+    blocks = [int(b) for b in sweeps.get("num_blocks", [default_num_blocks(cost, plan.engine)])]
+    seqs = [int(s) for s in sweeps.get("max_num_seqs", [plan.engine.max_num_seqs])]
+    points, timelines = [], []
+    for nb, ms, rate in itertools.product(blocks, seqs, rates):
+        points.append(planner.point(rate, nb, ms))
+        _, first = planner.run(rate, nb, ms)
+        timelines.append((f"rate={points[-1]['rate']:.3g} blocks={nb} seqs={ms}", first))
+    searches = []
+    if plan.slo is not None:
+        for nb, ms in itertools.product(blocks, seqs):
+            start = search_start
+            if start is None:
+                met = [p["rate"] for p in points if p["num_blocks"] == nb
+                       and p["max_num_seqs"] == ms and p["meets_slo"]]
+                start = max(met) if met else min(p["rate"] for p in points)
+            searches.append(planner.search(nb, ms, start))
+    report = build_report(cost=cost, plan=plan, source=workloads[0].source, seeds=seeds,
+                          points=points, searches=searches, invalid=workloads[0].invalid)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        Path(f"{out}.json").write_text(dumps_report(report), encoding="utf-8")
+        write_csv(points, Path(f"{out}.csv"))
+        if plots:
+            write_plots(points, timelines, out, cost.name)
+    return report

@@ -1,0 +1,206 @@
+"""`sim capacity`: sweeps and an SLO search over nanoserve's own engine in modelled time.
+
+A point is (rate, num_blocks, max_num_seqs). Each point runs its workload once per seed (a
+spec's seed changes arrivals, lengths and prompts; a trace has one), on fresh engines with
+the stub model, stepped by `sim.capacity.fleet.simulate` with the step-cost model's durations; its
+metrics are the mean over seeds with their min and max (the spread).
+
+The SLO search finds, for each (num_blocks, max_num_seqs), the highest rate at which every
+seed meets the SLO: it doubles (or halves) from a starting rate until it brackets the
+boundary, then bisects geometrically until the bracket is within `tol` (2%). Because every
+rate is one seeded arrival pattern compressed in time (sim.load.workload), latency grows
+with rate, so the bracket holds a single crossing in practice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from nanoserve.config import EngineConfig
+from nanoserve.engine import Engine
+from nanoserve.model.stub import StubModel
+from nanoserve.tokenizer import Tokenizer
+from sim.capacity.cost import CostModel
+from sim.capacity.fleet import SimResult, simulate
+from sim.capacity.metrics import Slo, summarize
+from sim.load.workload import Workload
+
+CAPACITY_FORMAT = 1
+Progress = Callable[[str, int, int], None]  # (label, done, total)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Everything but the swept values: what every point shares."""
+
+    engine: EngineConfig
+    replicas: int = 1
+    router: str = "round_robin"
+    max_queue: int | None = None
+    warmup: float = 0.1
+    slo: Slo | None = None
+    tol: float = 0.02
+
+
+def default_num_blocks(cost: CostModel, engine: EngineConfig) -> int:
+    """The pool the real model would get from `kv_cache_memory` (the engine's own rule), or
+    the stub's when the cost model does not know the KV size."""
+    if engine.num_blocks is not None:
+        return engine.num_blocks
+    per_block = cost.kv_bytes_per_token * engine.block_size
+    return engine.kv_cache_memory // per_block if per_block else engine.stub_num_blocks
+
+
+def flat(summary: dict[str, Any]) -> dict[str, float | None]:
+    """A summary's scalars under flat names (CSV columns, spread over seeds)."""
+    out: dict[str, float | None] = {
+        "request_throughput": summary["request_throughput"],
+        "output_token_throughput": summary["output_token_throughput"],
+        "goodput": summary["goodput"],
+    }
+    for metric, pcts in summary["latency"].items():
+        for k, v in pcts.items():
+            out[f"{metric}_{k}"] = v
+    out.update(queue_mean=summary["queue"]["mean"], queue_max=summary["queue"]["max"],
+               kv_mean_used_fraction=summary["kv"]["mean_used_fraction"],
+               kv_peak_used_fraction=summary["kv"]["peak_used_fraction"],
+               preemptions=summary["preemptions"], prefix_hit_rate=summary["prefix_hit_rate"],
+               rejected_429=summary["status"]["rejected"], aborted=summary["status"]["aborted"],
+               failed=summary["status"]["failed"] + summary["status"]["invalid"],
+               finished=summary["status"]["ok"], measured=summary["measured"],
+               steps=summary["steps"], window_s=summary["window_s"])
+    return out
+
+
+class Planner:
+    def __init__(self, workloads: Sequence[Workload], cost: CostModel, plan: Plan,
+                 tokenizer: Tokenizer, progress: Progress | None = None) -> None:
+        if not workloads:
+            raise ValueError("capacity planning needs at least one workload (seed)")
+        self.workloads = list(workloads)
+        self.cost = cost
+        self.plan = plan
+        self.model = StubModel(tokenizer)  # stateless: shared by every engine
+        self.tokenizer = tokenizer
+        self.progress = progress
+        self._cache: dict[tuple[float | None, int, int], tuple[list[dict[str, Any]],
+                                                               SimResult]] = {}
+
+    def engine_config(self, num_blocks: int, max_num_seqs: int) -> EngineConfig:
+        return dataclasses.replace(self.plan.engine, num_blocks=num_blocks,
+                                   max_num_seqs=max_num_seqs)
+
+    def run(self, rate: float | None, num_blocks: int, max_num_seqs: int
+            ) -> tuple[list[dict[str, Any]], SimResult]:
+        """Per-seed summaries at one point, and the first seed's raw result (for plots).
+        `rate` None runs the workloads at their own rate."""
+        key = (rate, num_blocks, max_num_seqs)
+        if key in self._cache:
+            return self._cache[key]
+        config = self.engine_config(num_blocks, max_num_seqs)
+
+        def make() -> Engine:
+            return Engine(self.model, self.tokenizer, config)
+
+        summaries: list[dict[str, Any]] = []
+        first: SimResult | None = None
+        for k, w in enumerate(self.workloads):
+            load = w if rate is None else w.at_rate(rate)
+            label = (f"rate={_fmt(load.base_rate)} blocks={num_blocks} seqs={max_num_seqs} "
+                     f"seed {k + 1}/{len(self.workloads)}")
+            total = len(load.requests)
+            tick = _ticker(self.progress, label, total)
+            result = simulate(load.requests, make, self.cost, replicas=self.plan.replicas,
+                              router=self.plan.router, max_queue=self.plan.max_queue,
+                              on_progress=tick)
+            summaries.append(summarize(result, warmup=self.plan.warmup, slo=self.plan.slo,
+                                       num_blocks=num_blocks, replicas=self.plan.replicas))
+            first = first or result
+        assert first is not None
+        self._cache[key] = (summaries, first)
+        return summaries, first
+
+    def point(self, rate: float | None, num_blocks: int, max_num_seqs: int) -> dict[str, Any]:
+        summaries, _ = self.run(rate, num_blocks, max_num_seqs)
+        rows = [flat(s) for s in summaries]
+        return {
+            "rate": rate if rate is not None else self.workloads[0].base_rate,
+            "num_blocks": num_blocks,
+            "kv_gib": self.cost.kv_gib(num_blocks, self.plan.engine.block_size),
+            "max_num_seqs": max_num_seqs,
+            "meets_slo": (all(self.plan.slo.met_by(s) for s in summaries)
+                          if self.plan.slo is not None else None),
+            "mean": _agg(rows, lambda v: sum(v) / len(v)),
+            "min": _agg(rows, min),
+            "max": _agg(rows, max),
+            "seeds": rows,
+        }
+
+    def meets(self, rate: float, num_blocks: int, max_num_seqs: int) -> bool:
+        assert self.plan.slo is not None
+        summaries, _ = self.run(rate, num_blocks, max_num_seqs)
+        return all(self.plan.slo.met_by(s) for s in summaries)
+
+    def search(self, num_blocks: int, max_num_seqs: int, start: float) -> dict[str, Any]:
+        """The highest rate meeting the SLO (module docstring), with every rate tried."""
+        tried: list[tuple[float, bool]] = []
+
+        def ok(r: float) -> bool:
+            met = self.meets(r, num_blocks, max_num_seqs)
+            tried.append((r, met))
+            return met
+
+        lo: float | None = None
+        hi: float | None = None
+        r = start
+        for _ in range(40):  # 2**40 either way: far past any server
+            if ok(r):
+                lo = r
+                if hi is not None:
+                    break
+                r *= 2
+            else:
+                hi = r
+                if lo is not None:
+                    break
+                r /= 2
+        if lo is not None and hi is not None:
+            while hi / lo > 1 + self.plan.tol:
+                mid = math.sqrt(lo * hi)
+                if ok(mid):
+                    lo = mid
+                else:
+                    hi = mid
+        return {"num_blocks": num_blocks, "max_num_seqs": max_num_seqs,
+                "kv_gib": self.cost.kv_gib(num_blocks, self.plan.engine.block_size),
+                "max_rate": lo, "fails_at": hi,
+                "tried": [{"rate": t, "meets_slo": m} for t, m in tried]}
+
+
+def _agg(rows: Sequence[dict[str, float | None]],
+         fn: Callable[[list[float]], float]) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for key in rows[0]:
+        vals = [v for row in rows if (v := row[key]) is not None]
+        out[key] = fn(vals) if vals else None
+    return out
+
+
+def _ticker(progress: Progress | None, label: str, total: int) -> Callable[[int], None] | None:
+    if progress is None:
+        return None
+    step = max(total // 50, 1)
+
+    def tick(done: int) -> None:
+        if done % step == 0 or done == total:
+            progress(label, done, total)
+
+    return tick
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.4g}"

@@ -1,0 +1,91 @@
+"""`sim replay TRACE... [--model stub|smollm2|PATH] [--out RESULT] [--update] [--no-twin]
+[--cost FILE]`: the command line of `sim.replay.run`.
+
+Each trace prints its mismatches, one line each (prefixed by the trace's path when several
+are given), or one summary line when it replays clean. Exit status: 0 when every trace is
+clean, 1 when any has a mismatch, 2 when a trace cannot be replayed at all (malformed, a
+header setting replay cannot honour, weights that do not load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from sim.replay.run import ReplayError, ReplayResult, replay
+from sim.trace.format import TraceError, load_trace, write_trace
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "replay", help="replay traces through the real server and check them",
+        description="Replays each trace through nanoserve's own app in process, on the step "
+        "(or virtual) clock, and checks its expectation lines, the invariants of DESIGN.md "
+        "and, unless --no-twin, the stream/unary twin.")
+    p.add_argument("traces", nargs="+", metavar="TRACE")
+    p.add_argument("--model", default=None, metavar="stub|smollm2|PATH",
+                   help="weights to replay on (default: the header's); on other weights "
+                   "only the invariants and the twin are checked")
+    p.add_argument("--out", metavar="RESULT", help="write the observed outcome as "
+                   "expectation lines (one trace only)")
+    p.add_argument("--update", action="store_true",
+                   help="rewrite each trace's expectation lines with what was observed")
+    p.add_argument("--no-twin", dest="twin", action="store_false",
+                   help="skip the second run with streams and unary requests swapped")
+    p.add_argument("--cost", metavar="FILE", help="step-cost model for virtual-clock traces "
+                   "(default: the header's cost_model, else a constant per step)")
+    p.set_defaults(main=_main)
+
+
+def _main(a: argparse.Namespace) -> int:
+    if a.out and len(a.traces) != 1:
+        print("sim replay: --out takes one trace", file=sys.stderr)
+        return 2
+    worst = 0
+    for path in a.traces:
+        prefix = f"{path}: " if len(a.traces) > 1 else ""
+        try:
+            worst = max(worst, _one(Path(path), a, prefix))
+        except (TraceError, ReplayError, OSError) as exc:
+            print(f"sim replay: {path}: {exc}", file=sys.stderr)
+            worst = 2
+    return worst
+
+
+def _one(path: Path, a: argparse.Namespace, prefix: str) -> int:
+    trace = load_trace(path)
+    if a.update and a.model is not None and a.model != trace.header.model:
+        print(f"{prefix}not updated: --model differs from the header's model", file=sys.stderr)
+        return 2
+    # --update checks only invariants and the twin: the old expectations are being replaced.
+    check = False if a.update else None
+    result = replay(trace, model=a.model, twin=a.twin, cost=a.cost, check_expectations=check)
+    for w in result.warnings:
+        print(f"{prefix}warning: {w}", file=sys.stderr)
+    for line in result.mismatches:
+        print(prefix + line)
+    if a.out:
+        _write_expectations(result, Path(a.out))
+    if a.update:
+        if not result.ok:
+            print(f"{prefix}not updated: the replay broke an invariant", file=sys.stderr)
+            return 1
+        write_trace(dataclasses.replace(trace, expectations=tuple(result.expectations())),
+                    path)
+        print(f"{prefix}updated: {result.summary()}")
+        return 0
+    if result.ok:
+        checked = "" if result.expectations_checked else " (invariants and twin only)"
+        print(f"{prefix}ok: {result.summary()}{checked}")
+        return 0
+    return 1
+
+
+def _write_expectations(result: ReplayResult, out: Path) -> None:
+    with out.open("w", encoding="utf-8", newline="\n") as f:
+        for e in result.expectations():
+            f.write(json.dumps({"expect": e.id, **e.fields}, ensure_ascii=False) + "\n")
