@@ -15,6 +15,7 @@ contracts in pyproject.toml (import-linter: `just lint`, tests/test_layers.py) c
     kv            block pool, ref counts, prefix hashes, block tables (pure Python)
     outputs       RequestOutput, what LLM.generate returns
     stop          check_stop: the stop rules in one function
+    updates       the Update of a sampled token, and the final one
     request       a request's state and its updates
     detokenizer   incremental detokenizer with stop strings and hold-back
     sampler       batched tensor functions, per-row generators

@@ -16,7 +16,7 @@ import torch
 from nanoserve.kv import KVManager
 from nanoserve.model.base import ForwardBatch
 from nanoserve.request import Request
-from nanoserve.sampler import TokenLogprobs, token_logprobs
+from nanoserve.sampler import token_logprobs
 from nanoserve.sampling import SamplingParams
 from nanoserve.scheduler import Schedule
 
@@ -134,10 +134,3 @@ def advance(schedule: Schedule, kv: KVManager) -> Work:
         req.num_computed = end
         kv.commit(req)
     return w
-
-
-def prompt_logprobs_update(req: Request) -> tuple[TokenLogprobs | None, ...] | None:
-    """The prompt's logprobs, on the update of the first output token only."""
-    if req.params.prompt_logprobs is None or req.num_output != 1:
-        return None
-    return tuple(req.prompt_logprobs)

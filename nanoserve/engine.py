@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from nanoserve.admission import Prepared, check_request, detokenizer_for
-from nanoserve.batch import prompt_logprobs_update
 from nanoserve.completions import share_prompt, siblings
 from nanoserve.config import EngineConfig
 from nanoserve.kv import BlockPool, KVManager
@@ -23,6 +22,7 @@ from nanoserve.scheduler import Schedule, Scheduler, SchedulerFactory
 from nanoserve.seeds import mix64
 from nanoserve.stop import check_stop
 from nanoserve.tokenizer import Tokenizer
+from nanoserve.updates import final_update, token_update
 
 
 class Engine:
@@ -216,17 +216,7 @@ class Engine:
         stop = check_stop(req, token, matched, self.eos_token_ids)
         if stop is not None:
             return self._finish(req, stop[0], (token,), stop_reason=stop[1])
-        return Update(
-            req.group,
-            (token,),
-            "" if detok is None else detok.pop_delta(),
-            index=req.index,
-            num_prompt_tokens=req.num_prompt,
-            num_output_tokens=req.num_output,
-            num_cached_tokens=req.num_cached_prompt,
-            logprobs=(req.logprobs[-1],),
-            prompt_logprobs=prompt_logprobs_update(req),
-        )
+        return token_update(req, token, "" if detok is None else detok.pop_delta())
 
     def _finish(
         self,
@@ -256,21 +246,7 @@ class Engine:
                 text = req.detok.pop_delta() + req.detok.finish()
             except Exception:  # the request is already failing; keep its error
                 text = ""
-        return Update(
-            req.group,
-            new_tokens,
-            text,
-            index=req.index,
-            finished=True,
-            finish_reason=reason.value,
-            stop_reason=stop_reason,
-            error=error,
-            num_prompt_tokens=req.num_prompt,
-            num_output_tokens=req.num_output,
-            num_cached_tokens=req.num_cached_prompt,
-            logprobs=tuple(req.logprobs[-len(new_tokens) :]) if new_tokens else (),
-            prompt_logprobs=prompt_logprobs_update(req) if new_tokens else None,
-        )
+        return final_update(req, reason, new_tokens, text, stop_reason, error)
 
     # -- introspection ---------------------------------------------------------------------------
 

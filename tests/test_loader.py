@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from nanoserve.model import loader
-from nanoserve.model.loader import load_model_config, resolve_model, unpermute_rope_rows
+from nanoserve.model.gguf import unpermute_rope_rows
+from nanoserve.model.loader import load_model_config, resolve_model
 from nanoserve.model.ops import rotate_half
 from nanoserve.tokenizer import Tokenizer
 

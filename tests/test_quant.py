@@ -13,7 +13,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from nanoserve.model import native
-from nanoserve.model.loader import embedded_gguf_path, read_gguf_weights, resolve_model
+from nanoserve.model.gguf import read_gguf_weights
+from nanoserve.model.loader import embedded_gguf_path, resolve_model
 from nanoserve.model.quant import BLOCK_BYTES, QuantProj, QuantWeight, quantize
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="needs the native kernels")

@@ -63,8 +63,9 @@ def _quantized_weights(
     import torch
 
     from nanoserve.model import native
+    from nanoserve.model.gguf import read_gguf_weights
     from nanoserve.model.llama import load_weights
-    from nanoserve.model.loader import gguf_path, read_gguf_weights
+    from nanoserve.model.loader import gguf_path
     from nanoserve.model.quant import BLOCK_BYTES, quantize
 
     if quantization == "none":
