@@ -18,7 +18,8 @@ contracts in pyproject.toml (import-linter: `just lint`, tests/test_layers.py) c
     updates       the Update of a sampled token, and the final one
     request       a request's state and its updates
     detokenizer   incremental detokenizer with stop strings and hold-back
-    sampler       batched tensor functions, per-row generators
+    sampler       the batched sampler: stages in order, greedy rows, the seeded draw
+    logits        its logits stages as pure tensor functions (penalties ... min-p)
     sampling      SamplingParams, validated
     model/        Llama forward over a paged KV cache; the stub; weight + tokenizer loading
     tokenizer, seeds, config, progress

@@ -19,16 +19,8 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from nanoserve.sampler import (
-    SamplingRow,
-    TokenLogprobs,
-    apply_penalties,
-    apply_temperature,
-    apply_top_p,
-    draw,
-    row_uniform,
-    sample,
-)
+from nanoserve.logits import apply_penalties, apply_temperature, apply_top_p
+from nanoserve.sampler import SamplingRow, TokenLogprobs, draw, row_uniform, sample
 from nanoserve.sampling import SamplingParams
 
 N = 20_000
