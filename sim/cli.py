@@ -32,7 +32,7 @@ from sim.load.spec import load_spec_from_pairs, split_load_spec
 from sim.load.synthetic import generate_load
 from sim.replay import cli as replay_cli
 from sim.soak import run as soak
-from sim.trace.format import write_trace
+from sim.trace.write import write_trace
 
 # Flags of `sim load` and the spec keys they set.
 _LOAD_FLAGS = {

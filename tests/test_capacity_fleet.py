@@ -32,7 +32,7 @@ from sim.cli_util import engine_config
 from sim.load.spec import parse_load_spec
 from sim.load.synthetic import generate_load
 from sim.load.workload import SimRequest, spec_workload, trace_workload
-from sim.trace.format import write_trace
+from sim.trace.write import write_trace
 
 COST = CostModel((0.01, 1e-4, 5e-4, 2e-3, 2e-6, 1e-8, 0.0, 0.0), name="synthetic")
 

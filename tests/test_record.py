@@ -608,7 +608,8 @@ async def test_sigint_flushes_a_complete_trace(tmp_path: Path) -> None:
 
 
 def test_the_loader_checks_a_recorded_reading_pattern() -> None:
-    from sim.trace.format import TraceError, dumps_trace, loads_trace
+    from sim.trace.format import TraceError, loads_trace
+    from sim.trace.write import dumps_trace
 
     head = ('{"nanoserve_trace": 1, "clock": "step", "model": "stub", "engine": {"block_size":'
             ' 16, "num_blocks": 8, "max_num_seqs": 2, "max_num_batched_tokens": 64, "seed": 0}}')

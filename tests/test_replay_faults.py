@@ -23,11 +23,10 @@ from sim.replay.run import replay
 from sim.trace.format import (
     Expectation,
     TraceError,
-    dumps_trace,
     load_trace,
     loads_trace,
-    write_trace,
 )
+from sim.trace.write import dumps_trace, write_trace
 
 TRACES = Path(__file__).resolve().parent.parent / "traces"
 HEADER = {"nanoserve_trace": 1, "clock": "step", "model": "stub",

@@ -29,7 +29,8 @@ from sim.load.synthetic import (
     scale_arrivals,
     unit_arrivals,
 )
-from sim.trace.format import dumps_trace, load_trace, loads_trace
+from sim.trace.format import load_trace, loads_trace
+from sim.trace.write import dumps_trace
 
 SHARED_TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 CSV = """\

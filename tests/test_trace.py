@@ -17,11 +17,10 @@ from sim.trace.format import (
     TraceError,
     TraceHeader,
     TraceRequest,
-    dumps_trace,
     load_trace,
     loads_trace,
-    write_trace,
 )
+from sim.trace.write import dumps_trace, write_trace
 
 ENGINE = {"block_size": 16, "num_blocks": 128, "max_num_seqs": 8, "max_num_batched_tokens": 256,
           "seed": 0}

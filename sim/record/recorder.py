@@ -50,7 +50,8 @@ from nanoserve.request import Update
 from sim.record.trace import Completion, EngineRequest, Exchange, order, request_line
 from sim.record.wire import parse_wire
 from sim.trace.expect import EndOutcome, Outcome, RequestOutcome, expectation_lines
-from sim.trace.format import Trace, TraceHeader, TraceRequest, write_trace
+from sim.trace.format import Trace, TraceHeader, TraceRequest
+from sim.trace.write import write_trace
 
 if TYPE_CHECKING:
     from nanoserve.engine import Engine

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from sim.replay.run import ReplayError, ReplayResult, replay
-from sim.trace.format import TraceError, load_trace, write_trace
+from sim.trace.format import TraceError, load_trace
+from sim.trace.write import write_trace
 
 
 def add_parser(sub: Any) -> None:

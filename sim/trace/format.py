@@ -1,15 +1,11 @@
-"""Trace format v1 (DESIGN.md, "Trace format v1"): typed records, a strict loader, a writer.
+"""Trace format v1 (DESIGN.md, "Trace format v1"): typed records and a strict loader (the
+writer is write.py).
 
 A trace is the contract between the recorder, `sim replay`, `sim load` and the tests, so the
 loader is strict: a malformed line fails with `TraceError` naming its line number and field,
 before anything is replayed. It checks what makes a trace replayable (the header, the clock's
 time field, unique ids, arrival order, the client's reading pattern) and never a request
 `body`: that is exactly what an HTTP client sent, and a trace may send a bad one on purpose.
-
-The writer emits one JSON object per line with known keys in the format's order, then any
-unknown keys in the order they were read ("implementations may add fields"), and leaves
-`body` in the client's own order; absent optionals are omitted. So loading and rewriting a
-trace the writer produced gives the same bytes, and a diff of two traces is a diff of facts.
 
 What this implementation adds to DESIGN.md's v1 (the format allows added fields): a third
 reading pattern, `client.read: {"frames_by_step": [[step, frames], ...]}`, which the
@@ -39,9 +35,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 from sim.trace.check import (
@@ -55,13 +50,6 @@ from sim.trace.check import (
     check_str,
     check_time,
 )
-
-__all__ = [
-    "PATHS", "TRACE_VERSION", "ClientSpec", "EverySeconds", "EverySteps", "Expectation",
-    "FramesByStep", "parse_read",
-    "Trace", "TraceError", "TraceHeader", "TraceRequest", "dumps_trace", "iter_trace_lines",
-    "load_trace", "loads_trace", "write_trace",
-]  # fmt: skip
 
 TRACE_VERSION = 1
 PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -308,62 +296,3 @@ def _expectation(obj: dict[str, Any], first_line: dict[str, int], expected: dict
 
 def _extra(obj: dict[str, Any], known: tuple[str, ...]) -> dict[str, Any]:
     return {k: v for k, v in obj.items() if k not in known}
-
-
-# ---------------------------------------------------------------------------------- writing
-
-
-def iter_trace_lines(trace: Trace) -> Iterator[str]:
-    """The trace's lines, without newlines (a generator: a converted trace can be large)."""
-    h = trace.header
-    head: dict[str, Any] = {"nanoserve_trace": TRACE_VERSION, "clock": h.clock,
-                            "model": h.model, "engine": h.engine}
-    _put(head, "note", h.note)
-    _put(head, "cost_model", h.cost_model)
-    _put(head, "faults", list(h.faults) or None)
-    _put(head, "body_timeout", h.body_timeout)
-    yield _dumps({**head, **h.extra})
-    for r in trace.requests:
-        line: dict[str, Any] = {"id": r.id}
-        _put(line, "at_step", r.at_step)
-        _put(line, "at_s", r.at_s)
-        line.update(path=r.path, body=r.body, client=_client(r.client))
-        yield _dumps({**line, **r.extra})
-    for e in trace.expectations:
-        yield _dumps({"expect": e.id, **e.fields})
-
-
-def dumps_trace(trace: Trace) -> str:
-    return "".join(line + "\n" for line in iter_trace_lines(trace))
-
-
-def write_trace(trace: Trace, path: str | os.PathLike[str]) -> None:
-    with Path(path).open("w", encoding="utf-8", newline="\n") as f:
-        for line in iter_trace_lines(trace):
-            f.write(line + "\n")
-
-
-def _client(c: ClientSpec) -> dict[str, Any]:
-    read: Any = c.read
-    if isinstance(c.read, EverySteps):
-        read = {"every_steps": c.read.n}
-    elif isinstance(c.read, EverySeconds):
-        read = {"every_s": c.read.s}
-    elif isinstance(c.read, FramesByStep):
-        read = {"frames_by_step": [[s, f] for s, f in c.read.pairs]}
-    out: dict[str, Any] = {"read": read}
-    _put(out, "hangup_after_frames", c.hangup_after_frames)
-    _put(out, "hangup_at_step", c.hangup_at_step)
-    _put(out, "send_body_bytes", c.send_body_bytes)
-    _put(out, "then", c.then)
-    return {**out, **c.extra}
-
-
-def _put(d: dict[str, Any], key: str, value: object) -> None:
-    if value is not None:
-        d[key] = value
-
-
-def _dumps(obj: dict[str, Any]) -> str:
-    # allow_nan=False: NaN is not JSON, and the loader would refuse what we wrote.
-    return json.dumps(obj, ensure_ascii=False, allow_nan=False)
