@@ -52,6 +52,12 @@ def smollm2_tokenizer(smollm2_folder: Path) -> Tokenizer:
 
 
 @pytest.fixture(scope="session")
+def tok(smollm2_tokenizer: Tokenizer) -> Tokenizer:
+    """SmolLM2's tokenizer, which the stub model speaks: the stub tests' tokenizer."""
+    return smollm2_tokenizer
+
+
+@pytest.fixture(scope="session")
 def hf_reference() -> Any:
     """transformers' LlamaForCausalLM from the GGUF file itself, never from our state dict."""
     from transformers import AutoModelForCausalLM

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from nanoserve.model.loader import resolve_model
 from nanoserve.model.stub import StubModel
 from nanoserve.tokenizer import Tokenizer
 from sim.capacity.calibrate import CHECK_GRID, geometric_mean, machine_speed, scaled, steal_seconds
@@ -24,11 +23,6 @@ def ticking(step_s: float) -> object:
         return t[0]
 
     return timer
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.from_folder(resolve_model("smollm2"))
 
 
 def test_speed_is_measured_over_priced_on_the_check_grid(tok: Tokenizer) -> None:

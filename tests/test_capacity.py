@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from nanoserve.config import EngineConfig
-from nanoserve.model.loader import resolve_model
 from nanoserve.sampling import SamplingParams
 from nanoserve.tokenizer import Tokenizer
 from sim.capacity.cli import plan_capacity
@@ -30,11 +29,6 @@ ENGINE = EngineConfig(num_blocks=512, max_model_len=2048, max_num_seqs=16,
                       max_num_batched_tokens=256)
 SLO = parse_slo("ttft_p99=1s,tpot_p99=100ms")
 SPEC = "n=160,prompt=uniform:16:128,output=uniform:8:48"
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.from_folder(resolve_model("smollm2"))
 
 
 def workloads(tok: Tokenizer, spec: str = SPEC, seeds: int = 1) -> list[Workload]:

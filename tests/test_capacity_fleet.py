@@ -12,11 +12,11 @@ import pytest
 import torch
 import trio
 import trio.testing
+from drain import drain, tokens
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.model.base import ForwardBatch
-from nanoserve.model.loader import resolve_model
 from nanoserve.model.stub import StubModel
 from nanoserve.sampling import SamplingParams
 from nanoserve.serving import AsyncEngine
@@ -35,11 +35,6 @@ from sim.load.workload import SimRequest, spec_workload, trace_workload
 from sim.trace.write import write_trace
 
 COST = CostModel((0.01, 1e-4, 5e-4, 2e-3, 2e-6, 1e-8, 0.0, 0.0), name="synthetic")
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.from_folder(resolve_model("smollm2"))
 
 
 def config(**kw: object) -> EngineConfig:
@@ -90,11 +85,7 @@ def _run_all(engine: Engine, prompts: list[list[int]], params: list[SamplingPara
              ) -> dict[str, list[int]]:
     for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(p, sp, f"q{i}")
-    out: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        for u in engine.step().updates:
-            out.setdefault(u.request_id, []).extend(u.new_token_ids)
-    return out
+    return tokens(drain(engine))
 
 
 def test_engine_tokens_are_the_same_with_and_without_the_fast_path(tok: Tokenizer) -> None:

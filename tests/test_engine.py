@@ -4,6 +4,7 @@ hits, admission limits. Greedy throughout (temperature 0), so outputs are exact.
 from __future__ import annotations
 
 import pytest
+from drain import drain, tokens
 
 from nanoserve.admission import AdmissionError
 from nanoserve.config import ConfigError, EngineConfig
@@ -28,11 +29,7 @@ def make(tok: Tokenizer, **cfg: object) -> Engine:
 
 
 def run(engine: Engine) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        for u in engine.step().updates:
-            out.setdefault(u.request_id, []).extend(u.new_token_ids)
-    return out
+    return tokens(drain(engine))
 
 
 def prompt(n: int, base: int = 1000) -> list[int]:
@@ -98,13 +95,9 @@ def test_preemption_by_recompute_keeps_tokens_and_frees_every_block(
     small = make(stub_tokenizer, block_size=4, num_blocks=24, max_model_len=64)
     for i, p in enumerate(prompts):
         small.add_request(p, params, f"r{i}")
-    preempted: list[str] = []
-    out: dict[str, list[int]] = {}
-    while small.has_unfinished():
-        r = small.step()
-        preempted.extend(r.preempted)
-        for u in r.updates:
-            out.setdefault(u.request_id, []).extend(u.new_token_ids)
+    results = drain(small)
+    preempted = [rid for r in results for rid in r.preempted]
+    out = tokens(results)
     assert out == expected
     assert small.statistics().preemptions == len(preempted) > 0
     # The most recently admitted running request goes first.

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from drain import drain, tokens
 from reference import MAX_NEW_TOKENS, compare_greedy, load_reference
 
 from nanoserve.config import EngineConfig
@@ -27,11 +28,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=T
 
 
 def _drain(engine: Engine) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        for u in engine.step().updates:
-            out.setdefault(u.request_id, []).extend(u.new_token_ids)
-    return out
+    return tokens(drain(engine))
 
 
 def test_each_prompt_alone_matches_the_reference(
@@ -71,13 +68,9 @@ def test_all_prompts_in_one_batch_with_chunking_and_preemption_match_the_referen
     engine = Engine(smollm2_model, tok, cfg)
     for case in cases:
         engine.add_request(list(case.prompt_ids), GREEDY, case.name)
-    chunked = 0
-    outputs: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        r = engine.step()
-        chunked += int(r.num_prefill_tokens == 96)
-        for u in r.updates:
-            outputs.setdefault(u.request_id, []).extend(u.new_token_ids)
+    results = drain(engine)
+    chunked = sum(r.num_prefill_tokens == 96 for r in results)
+    outputs = tokens(results)
     stats = engine.statistics()
     assert stats.preemptions >= 1
     assert chunked >= 1

@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from drain import completion_tokens, drain
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
@@ -17,13 +18,6 @@ from nanoserve.tokenizer import Tokenizer
 
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=1234, max_tokens=16,
                         ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    from nanoserve.model.loader import resolve_model
-
-    return Tokenizer.from_folder(resolve_model("smollm2"))
 
 
 def _stub(tok: Tokenizer) -> StubModel:
@@ -43,11 +37,7 @@ def _neighbours(i: int) -> SamplingParams:
 
 
 def _run(engine: Engine) -> dict[tuple[str, int], list[int]]:
-    out: dict[tuple[str, int], list[int]] = {}
-    while engine.has_unfinished():
-        for u in engine.step().updates:
-            out.setdefault((u.request_id, u.index), []).extend(u.new_token_ids)
-    return out
+    return completion_tokens(drain(engine))
 
 
 def _target_alone(model: Model, tok: Tokenizer, prompt: list[int]) -> list[int]:
@@ -86,13 +76,9 @@ def _invariance_cases(model: Model, tok: Tokenizer, prompt: list[int]) -> None:
     for i in range(4):  # 4 x ~45 tokens beside the target's ~25: more than 96 slots
         e.add_request([*prompt[:5], 400 + i], long_tail, f"n{i}")
     e.add_request(prompt, SEEDED, "t")  # admitted last, so preempted first
-    out = {}
-    preempted: list[str] = []
-    while e.has_unfinished():
-        r = e.step()
-        preempted += r.preempted
-        for u in r.updates:
-            out.setdefault((u.request_id, u.index), []).extend(u.new_token_ids)
+    results = drain(e)
+    out = completion_tokens(results)
+    preempted = [rid for r in results for rid in r.preempted]
     assert "t" in preempted
     assert out[("t", 0)] == alone
     assert e.pool.num_free == 24

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from nanoserve.model.loader import resolve_model
 from nanoserve.model.stub import StubModel
 from nanoserve.outputs import StepResult
 from nanoserve.tokenizer import Tokenizer
@@ -18,11 +17,6 @@ from sim.capacity.profile import QUICK_GRID, fit_profile, measure_grid
 from sim.cli import main
 
 LAW = (0.02, 1.5e-4, 3e-3, 2.5e-3, 4e-6, 2e-8, 6e-3, 4e-4)  # a known "machine"
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.from_folder(resolve_model("smollm2"))
 
 
 def counting_timer() -> object:

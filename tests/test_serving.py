@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import pytest
 import trio
 import trio.testing
+from drain import drain, tokens
 
 from nanoserve.admission import AdmissionError, Prepared
 from nanoserve.config import EngineConfig
@@ -446,10 +447,7 @@ def many_reference(stub_tokenizer: Tokenizer) -> list[tuple[int, ...]]:
     engine = make(stub_tokenizer)
     for i, (p, sp) in enumerate(MANY):
         engine.add_request(p, sp, f"r{i}")
-    out: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        for u in engine.step().updates:
-            out.setdefault(u.request_id, []).extend(u.new_token_ids)
+    out = tokens(drain(engine))
     return [tuple(out[f"r{i}"]) for i in range(len(MANY))]
 
 
