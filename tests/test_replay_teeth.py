@@ -17,6 +17,7 @@ from nanoserve.request import Request, Update
 from nanoserve.scheduler import Scheduler
 from nanoserve.server.render import Choice, Json, Shapes
 from nanoserve.serving import AsyncEngine
+from nanoserve.serving.ledger import Ledger
 from sim.replay.run import replay
 
 TRACES = Path(__file__).resolve().parent.parent / "traces"
@@ -72,14 +73,14 @@ def test_dropping_a_held_back_character(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_delivering_a_token_twice(monkeypatch: pytest.MonkeyPatch) -> None:
-    real_route = AsyncEngine._route
+    real_route = Ledger.route
 
-    def route_twice(self: AsyncEngine, update: Update) -> None:
+    def route_twice(self: Ledger, update: Update) -> None:
         real_route(self, update)
         if update.new_token_ids and not update.finished:
             real_route(self, update)
 
-    monkeypatch.setattr(AsyncEngine, "_route", route_twice)
+    monkeypatch.setattr(Ledger, "route", route_twice)
     lines = mismatches("burst16")
     # r1 streams (odd ids), r2 is unary: both show the doubled text.
     assert any(line.startswith("r1 text: first differ at character ") for line in lines)
@@ -112,16 +113,16 @@ def test_the_twin_alone_catches_a_unary_answer_that_differs_from_its_stream(
 def test_losing_a_final_update(monkeypatch: pytest.MonkeyPatch) -> None:
     # The bridge swallows the first final update: the reader waits until the bridge's safety
     # net ends it with an error once the engine is empty, and its last text never arrives.
-    real_route = AsyncEngine._route
+    real_route = Ledger.route
     lost: list[str] = []
 
-    def lossy_route(self: AsyncEngine, update: Update) -> None:
+    def lossy_route(self: Ledger, update: Update) -> None:
         if update.finished and not lost:
             lost.append(update.request_id)
             return
         real_route(self, update)
 
-    monkeypatch.setattr(AsyncEngine, "_route", lossy_route)
+    monkeypatch.setattr(Ledger, "route", lossy_route)
     lines = mismatches("burst16")
     assert lost == ["cmpl-0"]  # r1: trace position 0
     assert 'r1 error: expected none, got "engine_error"' in lines

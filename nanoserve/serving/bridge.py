@@ -22,15 +22,11 @@ aborted and took in, and every update routed to a reader, with the step count at
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import math
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from typing import Protocol
 
 import trio
 
@@ -38,66 +34,20 @@ from nanoserve.admission import Prepared
 from nanoserve.engine import Engine
 from nanoserve.outputs import OutputBuilder, RequestOutput, StepResult
 from nanoserve.request import FinishReason, Update
-from nanoserve.sampling import ParamError, SamplingParams
+from nanoserve.sampling import SamplingParams
 from nanoserve.serving.clock import Clock
+from nanoserve.serving.ledger import Entry, Ledger
 from nanoserve.serving.stream import RequestStream
+from nanoserve.serving.types import (
+    BridgeRecorder,
+    BridgeStats,
+    EngineDeadError,
+    Prompt,
+    StepListener,
+)
 
 log = logging.getLogger("nanoserve.serving")  # the name it had before the package split
 
-Prompt = str | Sequence[int]
-StepListener = Callable[[StepResult], None]
-
-
-class BridgeRecorder(Protocol):
-    """The recorder hook. Both calls come from the loop task, synchronously, between steps;
-    an exception from either is logged and ignored (recording must not stop serving)."""
-
-    def boundary(self, step: int, aborted: Sequence[str], arrived: Sequence[str]) -> None:
-        """A boundary taken after `step` steps: the requests it aborted (in arrival order,
-        any never admitted included; their final updates have just been routed), and those
-        it is taking from the inbox, in arrival order (one whose admission fails then gets
-        an error final update)."""
-        ...
-
-    def update(self, step: int, update: Update) -> None:
-        """An update routed to its reader after `step` steps: a step's own, or a final one
-        the bridge wrote (an abort, an admission failure, shutdown)."""
-        ...
-
-
-class EngineDeadError(RuntimeError):
-    """The bridge takes no more requests: its loop failed, or it was closed."""
-
-
-@dataclass(frozen=True, slots=True)
-class BridgeStats:
-    steps: int  # engine steps run
-    queued: int  # arrivals waiting for the next step boundary
-    running: int
-    waiting: int
-    in_flight: int  # accepted requests that have not ended (queued ones included)
-    num_blocks: int
-    free_blocks: int
-    admitted: int
-    completed: int  # requests whose every completion has ended, for any reason
-    aborted: int  # requests the bridge aborted: hang-ups, cancellations, abort_nowait, close
-    failed: int  # requests with a completion that ended in error
-    preemptions: int
-    healthy: bool
-
-
-@dataclass(slots=True, eq=False)
-class _Entry:
-    """One request as the bridge sees it, from acceptance to its last final update."""
-
-    request_id: str
-    seq: int  # arrival number: the canonical order of admissions and aborts
-    prepared: Prepared
-    send: trio.MemorySendChannel[Update]
-    admitted: bool = False
-    ended: bool = False
-    done: set[int] = field(default_factory=set)  # completion indices that have ended
-    errored: bool = False
 
 
 class AsyncEngine:
@@ -107,16 +57,15 @@ class AsyncEngine:
         self._engine = engine
         self._clock = clock
         self._recorder = recorder
-        self._entries: dict[str, _Entry] = {}
-        self._inbox: deque[_Entry] = deque()
+        self._ledger = Ledger(self._record_update)
+        self._inbox: deque[Entry] = deque()
         self._aborts: set[str] = set()
         self._listeners: list[StepListener] = []
         self._wakeup = trio.Event()  # set by arrivals; reset at the boundary that takes them
         self._went_idle = trio.Event()  # set each time the loop runs out of work
         self._loop_idle = False
         self._dead: str | None = None
-        self._arrivals = 0
-        self._admitted = self._completed = self._aborted = self._failed = 0
+        self._admitted = self._aborted = 0
         # Read only in the loop task between steps: a live step's thread may be mutating the
         # engine while another task asks for statistics.
         self._snapshot = engine.statistics()
@@ -164,14 +113,11 @@ class AsyncEngine:
             prepared = prompt
         else:
             prepared = self.prepare(prompt, params)
-        rid = self._new_id(request_id)
-        send, recv = trio.open_memory_channel[Update](math.inf)
-        entry = _Entry(rid, self._arrivals, prepared, send)
-        self._arrivals += 1
-        self._entries[rid] = entry
+        entry, recv = self._ledger.accept(self._ledger.new_id(request_id), prepared)
         self._inbox.append(entry)
         self._wakeup.set()
-        return RequestStream(self.abort_nowait, rid, prepared.prompt_ids, prepared.params.n, recv)
+        return RequestStream(self.abort_nowait, entry.request_id, prepared.prompt_ids,
+                             prepared.params.n, recv)
 
     async def generate(
         self,
@@ -189,7 +135,7 @@ class AsyncEngine:
 
     def abort_nowait(self, request_id: str) -> None:
         """Abort at the next step boundary; a request that has already ended is left alone."""
-        if request_id in self._entries:
+        if request_id in self._ledger.entries:
             self._aborts.add(request_id)
 
     def add_step_listener(self, fn: StepListener) -> None:
@@ -204,9 +150,10 @@ class AsyncEngine:
         s = self._snapshot
         return BridgeStats(
             steps=s.steps, queued=len(self._inbox), running=s.running, waiting=s.waiting,
-            in_flight=len(self._entries), num_blocks=s.num_blocks, free_blocks=s.free_blocks,
-            admitted=self._admitted, completed=self._completed, aborted=self._aborted,
-            failed=self._failed, preemptions=s.preemptions, healthy=self.healthy,
+            in_flight=len(self._ledger.entries), num_blocks=s.num_blocks,
+            free_blocks=s.free_blocks, admitted=self._admitted,
+            completed=self._ledger.completed, aborted=self._aborted,
+            failed=self._ledger.failed, preemptions=s.preemptions, healthy=self.healthy,
         )
 
     async def wait_idle(self) -> None:
@@ -220,18 +167,6 @@ class AsyncEngine:
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
-
-    def _new_id(self, request_id: str | None) -> str:
-        if request_id is None:
-            request_id = f"req-{self._arrivals}"
-            while request_id in self._entries:  # a caller gave its own request this name
-                request_id += "'"
-        elif not isinstance(request_id, str) or not request_id:
-            raise ParamError("request_id", f"request_id must be a non-empty string, got "
-                             f"{request_id!r}")
-        elif request_id in self._entries:
-            raise ParamError("request_id", f"request id {request_id!r} is already in flight")
-        return request_id
 
     # -- the loop task: the engine's single writer -----------------------------------------
 
@@ -265,7 +200,7 @@ class AsyncEngine:
         # Aborts in their requests' arrival order, not the order of the abort calls (which
         # follows task scheduling): freed blocks then return to the pool in a canonical order.
         targets = sorted(
-            (e for rid in self._aborts if (e := self._entries.get(rid)) is not None),
+            (e for rid in self._aborts if (e := self._ledger.entries.get(rid)) is not None),
             key=lambda e: e.seq,
         )
         self._aborts.clear()
@@ -282,7 +217,7 @@ class AsyncEngine:
             try:
                 self._engine.admit(entry.prepared, entry.request_id)
             except Exception as exc:  # fails this request, not the loop
-                self._end(entry, FinishReason.ERROR, f"admission failed: {exc!r}")
+                self._ledger.end(entry, FinishReason.ERROR, f"admission failed: {exc!r}")
                 continue
             entry.admitted = True
             self._admitted += 1
@@ -290,13 +225,13 @@ class AsyncEngine:
 
     def _deliver(self, result: StepResult) -> None:
         for update in result.updates:
-            self._route(update)
+            self._ledger.route(update)
         if not self._engine.has_unfinished():
             # The engine holds nothing, so every admitted request has ended; one whose final
             # update never came would leave its reader waiting forever.
-            for entry in [e for e in self._entries.values() if e.admitted]:
-                self._end(entry, FinishReason.ERROR, "the engine dropped the request without "
-                          "a final update")
+            for entry in [e for e in self._ledger.entries.values() if e.admitted]:
+                self._ledger.end(entry, FinishReason.ERROR,
+                                 "the engine dropped the request without a final update")
         self._snapshot = self._engine.statistics()
         for fn in self._listeners:
             try:
@@ -304,56 +239,28 @@ class AsyncEngine:
             except Exception:  # a metrics bug must not stop serving
                 log.exception("step listener %r failed", fn)
 
-    def _route(self, update: Update) -> None:
-        entry = self._entries.get(update.request_id)
-        if entry is None or update.index in entry.done:
-            log.warning("dropping an update for a request that has ended: %r", update)
-            return
-        if self._recorder is not None:
-            self._record(self._recorder.update, self._engine.num_steps, update)
-        with contextlib.suppress(trio.BrokenResourceError):  # the reader has gone
-            entry.send.send_nowait(update)
-        if update.finished:
-            entry.done.add(update.index)
-            entry.errored |= update.finish_reason == FinishReason.ERROR
-            if len(entry.done) >= entry.prepared.params.n:
-                self._close(entry)
-
     def _record(self, fn: Callable[..., None], *args: object) -> None:
         try:
             fn(*args)
         except Exception:  # a recorder bug must not stop serving
             log.exception("recorder %r failed", fn)
 
-    def _abort(self, entry: _Entry, why: str | None) -> None:
+    def _record_update(self, update: Update) -> None:
+        if self._recorder is not None:
+            self._record(self._recorder.update, self._engine.num_steps, update)
+
+    def _abort(self, entry: Entry, why: str | None) -> None:
         self._aborted += 1
         if entry.admitted:
             for final in self._engine.abort_request(entry.request_id):
-                self._route(dataclasses.replace(final, error=why))
-        self._end(entry, FinishReason.ABORT, why)  # completions the engine did not end
-
-    def _end(self, entry: _Entry, reason: FinishReason, error: str | None) -> None:
-        """Write the final update of every completion of `entry` that has not ended."""
-        for index in range(entry.prepared.params.n):
-            if not entry.ended and index not in entry.done:
-                self._route(Update(
-                    entry.request_id, (), "", index=index, finished=True,
-                    finish_reason=reason.value, error=error,
-                    num_prompt_tokens=len(entry.prepared.prompt_ids),
-                ))
-
-    def _close(self, entry: _Entry) -> None:
-        entry.ended = True
-        del self._entries[entry.request_id]
-        entry.send.close()
-        self._completed += 1
-        self._failed += entry.errored
+                self._ledger.route(dataclasses.replace(final, error=why))
+        self._ledger.end(entry, FinishReason.ABORT, why)  # completions the engine did not end
 
     def _fail_all(self, reason: str) -> None:
         """The loop is gone: end everything in flight with an error naming why."""
         self._dead = reason
-        for entry in sorted(self._entries.values(), key=lambda e: e.seq):
-            self._end(entry, FinishReason.ERROR, reason)
+        for entry in self._ledger.in_arrival_order():
+            self._ledger.end(entry, FinishReason.ERROR, reason)
         self._inbox.clear()
         self._aborts.clear()
         self._went_idle.set()  # wake wait_idle() callers, who then raise EngineDeadError
@@ -362,7 +269,7 @@ class AsyncEngine:
         """After the loop has stopped: abort what is in flight so its blocks return."""
         if self._dead is not None:  # the engine failed mid-step: leave its state alone
             return
-        for entry in sorted(self._entries.values(), key=lambda e: e.seq):
+        for entry in self._ledger.in_arrival_order():
             self._abort(entry, "the engine was shut down")
         self._dead = "the AsyncEngine is closed"
         self._snapshot = self._engine.statistics()
