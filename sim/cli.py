@@ -20,12 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from nanoserve.config import ConfigError
-from nanoserve.model.loader import resolve_model
-from nanoserve.tokenizer import Tokenizer
 from sim.bench import cli as bench_cli
 from sim.capacity import cli as capacity_cli
 from sim.capacity import profile, validate
-from sim.cli_util import engine_overrides
+from sim.cli_util import engine_overrides, tokenizer
 from sim.load import spec as load_spec
 from sim.load.azure import convert_azure, read_azure_csv
 from sim.load.spec import load_spec_from_pairs, split_load_spec
@@ -113,14 +111,10 @@ def _add_load(sub: Any) -> None:
     p.set_defaults(run=_run_load)
 
 
-def _tokenizer(name: str) -> Tokenizer:
-    return Tokenizer.from_folder(resolve_model(name))
-
-
 def _run_convert(a: argparse.Namespace) -> int:
     engine = engine_overrides(a.engine)  # before the slow steps: fail fast on a typo
     rows = read_azure_csv(a.csv)
-    trace = convert_azure(rows, _tokenizer(a.tokenizer), source=Path(a.csv).name,
+    trace = convert_azure(rows, tokenizer(a.tokenizer), source=Path(a.csv).name,
                           limit=a.limit, start_offset_s=a.start_offset_s, model=a.model,
                           stream=a.stream, seed=a.seed, engine=engine)
     write_trace(trace, a.out)
@@ -135,7 +129,7 @@ def _run_load(a: argparse.Namespace) -> int:
         if value is not None:
             pairs[key] = value
     spec = load_spec_from_pairs(pairs)
-    trace = generate_load(spec, _tokenizer(a.tokenizer), engine=engine, note=a.note)
+    trace = generate_load(spec, tokenizer(a.tokenizer), engine=engine, note=a.note)
     write_trace(trace, a.out)
     return len(trace.requests)
 

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 from nanoserve.config import EngineConfig
+from nanoserve.model.loader import resolve_model
+from nanoserve.tokenizer import Tokenizer
 
 # The engine settings `--engine` may set on capacity, profile and validate.
 ENGINE_KEYS = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
@@ -53,3 +55,9 @@ def engine_config(pairs: list[str]) -> EngineConfig:
     if bad:
         raise ValueError(f"--engine {bad[0]}: not an engine setting ({', '.join(ENGINE_KEYS)})")
     return EngineConfig(**kw)
+
+
+def tokenizer(name: str) -> Tokenizer:
+    """The tokenizer of model `name` (a name, a .gguf file or a folder), for counting
+    prompt tokens without loading weights."""
+    return Tokenizer.from_folder(resolve_model(name))

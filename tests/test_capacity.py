@@ -16,12 +16,13 @@ from nanoserve.sampling import SamplingParams
 from nanoserve.tokenizer import Tokenizer
 from sim.capacity.cli import plan_capacity
 from sim.capacity.cost import CostModel
-from sim.capacity.metrics import measured, parse_slo, percentile
+from sim.capacity.metrics import measured, parse_slo
 from sim.capacity.plan import Plan, Planner
 from sim.capacity.report import dumps_report
 from sim.cli import main
 from sim.load.spec import parse_load_spec
 from sim.load.workload import SimRequest, Workload, spec_workload
+from sim.stats import percentile_or_none
 
 COST = CostModel((0.01, 1e-4, 5e-4, 2e-3, 2e-6, 1e-8, 0.0, 0.0), name="synthetic-test",
                  model="stub", machine={"cpu": "test"}, kv_bytes_per_token=46080)
@@ -61,10 +62,10 @@ def test_percentiles_equal_those_of_the_records(tok: Tokenizer) -> None:
 
 
 def test_percentile_and_warmup_helpers() -> None:
-    assert percentile([], 50) is None
-    assert percentile([3.0], 99) == 3.0
-    assert percentile([4.0, 1.0, 2.0, 3.0], 50) == 2.5
-    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 90) == pytest.approx(4.6)
+    assert percentile_or_none([], 50) is None
+    assert percentile_or_none([3.0], 99) == 3.0
+    assert percentile_or_none([4.0, 1.0, 2.0, 3.0], 50) == 2.5
+    assert percentile_or_none([1.0, 2.0, 3.0, 4.0, 5.0], 90) == pytest.approx(4.6)
     with pytest.raises(ValueError, match="warmup"):
         measured([], 1.0)
     with pytest.raises(ValueError, match="ttft_p99=2s"):

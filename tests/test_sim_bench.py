@@ -28,17 +28,12 @@ from test_server_live import live
 from sim.bench import cli as bench_cli
 from sim.bench.client import BenchRequest, make_client, prepare_body, run_load, send_one
 from sim.bench.prefix import prefix_requests, run_prefix_test
-from sim.bench.stats import (
-    RequestRecord,
-    meets_slo,
-    parse_slo,
-    percentile,
-    summarize,
-)
+from sim.bench.stats import RequestRecord, meets_slo, parse_slo, summarize
 from sim.http.sse import SseParser, read_chunk
 from sim.load.azure import PromptSynth
 from sim.load.spec import parse_load_spec
 from sim.load.synthetic import generate_load
+from sim.stats import percentile
 
 # ------------------------------------------------------------------------------ SSE parser
 

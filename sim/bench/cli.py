@@ -36,6 +36,7 @@ from sim.bench.client import (
 )
 from sim.bench.prefix import PrefixResult, fresh_seed, prefix_requests, run_prefix_test
 from sim.bench.stats import parse_slo, summarize
+from sim.cli_util import tokenizer
 from sim.load.azure import PromptSynth
 from sim.load.spec import load_spec_from_pairs, split_load_spec
 from sim.load.synthetic import generate_load
@@ -99,10 +100,8 @@ def main(a: argparse.Namespace) -> int:
 
 
 def _synth(name: str) -> PromptSynth:
-    from nanoserve.model.loader import resolve_model
-    from nanoserve.tokenizer import Tokenizer
 
-    return PromptSynth(Tokenizer.from_folder(resolve_model(name)))
+    return PromptSynth(tokenizer(name))
 
 
 def source(a: argparse.Namespace) -> tuple[Trace, str]:

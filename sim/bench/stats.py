@@ -20,15 +20,13 @@ succeeded *and* met every per-request SLO given: `ttft=2s,tpot=200ms,e2e=30s`.
 
 from __future__ import annotations
 
-import math
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-PERCENTILES = (50, 90, 99)
+from sim.stats import PERCENTILES, parse_duration, percentile
+
 SLO_KEYS = ("ttft", "tpot", "e2e")
-_DURATION = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(ms|s)\s*")
 
 
 @dataclass(slots=True)
@@ -70,19 +68,6 @@ def _ms(s: float | None) -> float | None:
     return None if s is None else round(s * 1000, 3)
 
 
-def percentile(values: Sequence[float], p: float) -> float:
-    """The p-th percentile (0..100) of `values`, linear between order statistics."""
-    if not values:
-        raise ValueError("percentile of no values")
-    if not 0 <= p <= 100:
-        raise ValueError(f"p must be in [0, 100], got {p}")
-    xs = sorted(values)
-    rank = p / 100 * (len(xs) - 1)
-    lo = math.floor(rank)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (rank - lo)
-
-
 def distribution_ms(values_s: Sequence[float]) -> dict[str, float] | None:
     """{mean, p50, p90, p99} in milliseconds, or None for no values."""
     if not values_s:
@@ -104,11 +89,11 @@ def parse_slo(text: str) -> dict[str, float]:
         key = key.strip()
         if not eq or key not in SLO_KEYS:
             raise ValueError(f"--slo takes {'|'.join(SLO_KEYS)}=DURATION pairs, got {item!r}")
-        m = _DURATION.fullmatch(value)
-        if m is None:
+        seconds = parse_duration(value)
+        if seconds is None:
             raise ValueError(f"--slo {key}: a duration with its unit (2s, 200ms), got "
                              f"{value!r}")
-        out[key] = float(m.group(1)) * (0.001 if m.group(2) == "ms" else 1.0)
+        out[key] = seconds
     return out
 
 

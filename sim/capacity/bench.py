@@ -16,11 +16,10 @@ import time
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
-from nanoserve.model.loader import resolve_model
 from nanoserve.model.stub import StubModel
-from nanoserve.tokenizer import Tokenizer
 from sim.capacity.cost import CostModel, load_cost_model
 from sim.capacity.fleet import simulate
+from sim.cli_util import tokenizer
 from sim.load.spec import parse_load_spec
 from sim.load.workload import spec_workload
 
@@ -36,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float)
     a = p.parse_args(argv)
     cost = load_cost_model(a.cost) if a.cost else SYNTHETIC
-    tok = Tokenizer.from_folder(resolve_model("smollm2"))
+    tok = tokenizer("smollm2")
     model = StubModel(tok)
     config = EngineConfig(max_num_seqs=64, num_blocks=_blocks(cost))
 

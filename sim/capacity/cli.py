@@ -16,7 +16,6 @@ import itertools
 from pathlib import Path
 from typing import Any
 
-from nanoserve.model.loader import resolve_model
 from nanoserve.progress import LabelledProgress
 from nanoserve.tokenizer import Tokenizer
 from sim.capacity.cost import load_cost_model
@@ -24,7 +23,7 @@ from sim.capacity.fleet import ROUTERS
 from sim.capacity.metrics import parse_slo
 from sim.capacity.plan import Plan, Planner, default_num_blocks
 from sim.capacity.report import build_report, dumps_report, table, write_csv, write_plots
-from sim.cli_util import ENGINE_KEYS, engine_config, guarded
+from sim.cli_util import ENGINE_KEYS, engine_config, guarded, tokenizer
 from sim.load.spec import parse_load_spec
 from sim.load.workload import Workload, spec_workload, trace_workload
 
@@ -91,7 +90,7 @@ def run_capacity(a: argparse.Namespace) -> int:
     sweeps = parse_sweeps(a.sweep)
     slo = parse_slo(a.slo) if a.slo else None
     plan = Plan(engine, a.replicas, a.router, a.max_queue, a.warmup, slo)
-    tok = Tokenizer.from_folder(resolve_model(a.tokenizer))
+    tok = tokenizer(a.tokenizer)
     if a.load is not None:
         spec = parse_load_spec(a.load)
         seeds = [spec.seed + k for k in range(max(a.seeds, 1))]

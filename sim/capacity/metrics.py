@@ -26,20 +26,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from sim.capacity.fleet import Record, Sample, SimResult
+from sim.stats import PERCENTILES, percentile_or_none
 
-PERCENTILES = (50, 90, 99)
 LATENCIES = ("ttft", "tpot", "itl", "e2e")
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile, linear between closest ranks; None for no values."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +44,7 @@ class Slo:
         for metric, p, target in self.targets:
             got = summary["latency"][metric].get(f"p{_num(p)}")
             if got is None:
-                got = percentile(summary["_values"][metric], p)
+                got = percentile_or_none(summary["_values"][metric], p)
             if got is None or got > target:
                 return False
         return True
@@ -143,7 +132,7 @@ def summarize(result: SimResult, *, warmup: float, slo: Slo | None, num_blocks: 
 
 
 def _pcts(values: Sequence[float]) -> dict[str, float | None]:
-    d: dict[str, float | None] = {f"p{p}": percentile(values, p) for p in PERCENTILES}
+    d: dict[str, float | None] = {f"p{p}": percentile_or_none(values, p) for p in PERCENTILES}
     d["mean"] = sum(values) / len(values) if values else None
     return d
 
