@@ -73,8 +73,6 @@ class ModelRunner:
     def _pick_directly(self, b: StepBatch) -> list[int] | None:
         """The model's own greedy picks (one per logits row), when it offers them and every
         row would take a plain argmax: greedy, no logprobs, nothing that edits logits."""
-        pick = getattr(self.model, "pick_greedy", None)
-        if pick is None or b.prompt.rows or not all(plain_greedy(r.params) for r in b.samplers):
+        if b.prompt.rows or not all(plain_greedy(r.params) for r in b.samplers):
             return None
-        picked: list[int] = pick(b.forward)
-        return picked
+        return self.model.pick_greedy(b.forward)

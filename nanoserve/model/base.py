@@ -79,3 +79,10 @@ class Model(Protocol):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run one step; returns float32 logits [R, vocab] at `batch.logits_indices`."""
         ...
+
+    def pick_greedy(self, batch: ForwardBatch) -> list[int] | None:
+        """Run one step and return each logits row's argmax without the logits, when the
+        model can name it more cheaply than `forward` (the stub: simulation runs millions of
+        greedy rows); None, having done nothing, when it cannot (real weights). The engine
+        asks only when every row would take a plain argmax."""
+        ...

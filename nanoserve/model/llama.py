@@ -221,6 +221,10 @@ class LlamaModel:
                                      native=self.native_attention, device=dev),
         )
 
+    def pick_greedy(self, batch: ForwardBatch) -> None:
+        """No cheaper way to an argmax than the logits: the engine runs `forward`."""
+        return None
+
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         cache = self._cache()
         nat = self.native_layers

@@ -80,8 +80,8 @@ def _steps(faults: Sequence[Fault], kind: str) -> frozenset[int]:
 
 
 class FaultyModel:
-    """A `Model` that raises in the steps its faults name; the same model otherwise. It offers
-    `pick_greedy` exactly when the model inside does, so the engine takes the same path."""
+    """A `Model` that raises in the steps its faults name; the same model otherwise, greedy
+    fast path included, so the engine takes the same path."""
 
     def __init__(self, inner: Model, faults: Sequence[Fault]) -> None:
         self.inner = inner
@@ -89,8 +89,6 @@ class FaultyModel:
         self.device: torch.device = inner.device
         self._at = _steps(faults, "step_raises")
         self._step: Callable[[], int] = lambda: 0
-        if hasattr(inner, "pick_greedy"):
-            self.pick_greedy = self._pick_greedy
 
     def attach(self, engine: Engine) -> None:
         """Read step numbers from `engine` (built around this model, so attached after)."""
@@ -114,10 +112,9 @@ class FaultyModel:
         self._check()
         return self.inner.forward(batch)
 
-    def _pick_greedy(self, batch: ForwardBatch) -> list[int]:
+    def pick_greedy(self, batch: ForwardBatch) -> list[int] | None:
         self._check()
-        picked: list[int] = self.inner.pick_greedy(batch)  # type: ignore[attr-defined]
-        return picked
+        return self.inner.pick_greedy(batch)
 
 
 class FaultyTokenizer(Tokenizer):
