@@ -13,11 +13,13 @@ cancelled again (DESIGN.md pitfalls).
 
 Nothing is lost silently: every request the bridge accepts ends with a final update for each
 of its completions, the engine's own (length, stop, abort, a step's error) or one the bridge
-writes (aborted before admission, admission failed, the loop failed, the bridge closed).
+writes (aborted before admission, admission failed, the loop failed, the bridge closed);
+ledger.py keeps that account.
 
-A `BridgeRecorder` (the recorder hook; `sim.record.recorder` implements it for `serve --record`) is
-told, in the loop task, what a trace needs and nothing else: which requests each boundary
-aborted and took in, and every update routed to a reader, with the step count at that point.
+A `BridgeRecorder` (the recorder hook; `sim.record.recorder` implements it for
+`serve --record`) is told, in the loop task, what a trace needs and nothing else: which
+requests each boundary aborted and took in, and every update routed to a reader, with the
+step count at that point.
 """
 
 from __future__ import annotations
