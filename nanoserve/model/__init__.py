@@ -1,4 +1,14 @@
-"""Models behind one protocol: real Llama weights (`llama`) and the weightless `stub`."""
+"""Models behind one protocol (base.py): real Llama weights and the weightless stub.
+
+    llama.py      the Llama forward over the paged KV cache; attention.py its attention
+    quant.py      quantized weights (GGUF blocks) and their projections
+    native.py     the build of csrc/, the CPU kernels (layers, attention, quantized, stack)
+    ops.py        a layer's elementwise parts: one native kernel each, or stock PyTorch ops
+    linear.py     a float weight multiply in the device's fastest form (MKL's packed sgemm)
+    stub.py       the stub: logits from (seed, history), for simulation and tests
+    loader.py     a model name or path -> a Hugging Face folder, converted once and cached
+    gguf.py       reading a llama GGUF: tensors, metadata, tokenizer
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 """HTTP serving: the OpenAI-compatible API (with vLLM's extensions) on Quart-Trio.
 
     app.py       create_app(): the app around one engine; auth, errors, the engine task
+    config.py    ServerConfig: the settings serve's flags decide; state.py: the app's state
+    recording.py the `serve --record` hook (the recorder comes from an entry point)
     openai.py    POST /v1/completions, POST /v1/chat/completions
     admin.py     GET /health, /v1/models, /metrics; POST /tokenize, /detokenize
     openapi.py   GET /openapi.json: the OpenAPI 3.1 document of these routes
