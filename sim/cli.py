@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from nanoserve.config import ConfigError
 from sim.bench import cli as bench_cli
 from sim.capacity import cli as capacity_cli
 from sim.capacity import profile, validate
-from sim.cli_util import engine_overrides, tokenizer
+from sim.cli_util import engine_overrides, guarded, tokenizer
 from sim.load import spec as load_spec
 from sim.load.azure import convert_azure, read_azure_csv
 from sim.load.spec import load_spec_from_pairs, split_load_spec
@@ -56,19 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd is None:
         p.print_help()
         return 0
-    if hasattr(a, "main"):  # a subcommand that reports and picks its exit status itself
-        try:
-            return int(a.main(a))
-        except ConfigError as exc:  # engine settings that can never work: one line
-            print(f"sim {a.cmd}: {exc}", file=sys.stderr)
-            return 2
-    try:
-        count = a.run(a)
-    except (ValueError, OSError) as exc:  # TraceError, ConfigError, SpecError, a bad path
+    try:  # each subcommand reports and picks its exit status itself
+        return int(a.main(a))
+    except ConfigError as exc:  # engine settings that can never work: one line
         print(f"sim {a.cmd}: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {count} requests to {a.out}")
-    return 0
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -92,7 +85,7 @@ def _add_convert(sub: Any) -> None:
     p.add_argument("--model", default="stub", help="the header's and bodies' model name")
     p.add_argument("--stream", action="store_true", help="streaming requests")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthesised prompt text")
-    p.set_defaults(run=_run_convert)
+    p.set_defaults(main=guarded(_written(_run_convert)))
 
 
 def _add_load(sub: Any) -> None:
@@ -108,7 +101,7 @@ def _add_load(sub: Any) -> None:
         p.add_argument(flag, dest=key, metavar=key.upper())
     p.add_argument("--stream", action="store_const", const="true", help="streaming requests")
     p.add_argument("--note", help="the header's note [sim load SPEC]")
-    p.set_defaults(run=_run_load)
+    p.set_defaults(main=guarded(_written(_run_load)))
 
 
 def _run_convert(a: argparse.Namespace) -> int:
@@ -119,6 +112,16 @@ def _run_convert(a: argparse.Namespace) -> int:
                           stream=a.stream, seed=a.seed, engine=engine)
     write_trace(trace, a.out)
     return len(trace.requests)
+
+
+def _written(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """A command that writes a trace of `run(args)` requests, reporting where."""
+
+    def main(a: argparse.Namespace) -> int:
+        print(f"wrote {run(a)} requests to {a.out}")
+        return 0
+
+    return main
 
 
 def _run_load(a: argparse.Namespace) -> int:

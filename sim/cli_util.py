@@ -21,13 +21,16 @@ ENGINE_KEYS = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_toke
                "prefix_caching", "max_model_len", "seed", "kv_cache_memory")
 
 
-def guarded(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """`run(args)` as a `main`: a bad spec, flag or path is one line and exit status 2."""
+def guarded(run: Callable[[argparse.Namespace], int],
+            *also: type[Exception]) -> Callable[[argparse.Namespace], int]:
+    """`run(args)` as a `main`: a bad spec, flag or path (ValueError, OSError, and the
+    errors in `also`) is one line and exit status 2."""
+    errors: tuple[type[Exception], ...] = (ValueError, OSError, *also)
 
     def main(a: argparse.Namespace) -> int:
         try:
             return int(run(a))
-        except (ValueError, OSError) as exc:
+        except errors as exc:
             print(f"sim {a.cmd}: {exc}", file=sys.stderr)
             return 2
 

@@ -36,7 +36,7 @@ from sim.bench.client import (
 )
 from sim.bench.prefix import PrefixResult, fresh_seed, prefix_requests, run_prefix_test
 from sim.bench.stats import parse_slo, summarize
-from sim.cli_util import tokenizer
+from sim.cli_util import guarded, tokenizer
 from sim.load.azure import PromptSynth
 from sim.load.spec import load_spec_from_pairs, split_load_spec
 from sim.load.synthetic import generate_load
@@ -84,19 +84,19 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
-def main(a: argparse.Namespace) -> int:
-    try:
-        if a.prefix_test:
-            return _report_prefix(a, *trio.run(run_prefix, a))
-        result = trio.run(run_bench, a)
-    except (ValueError, OSError, httpx.HTTPError) as exc:  # a bad spec or flag; no server
-        print(f"sim bench: {exc}", file=sys.stderr)
-        return 2
+def _main(a: argparse.Namespace) -> int:
+    if a.prefix_test:
+        return _report_prefix(a, *trio.run(run_prefix, a))
+    result = trio.run(run_bench, a)
     print(format_summary(result))
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {a.out}")
     return 0 if result["summary"]["failed"] == 0 else 1
+
+
+# A bad spec or flag, or no server at the URL: one line and exit status 2.
+main = guarded(_main, httpx.HTTPError)
 
 
 def _synth(name: str) -> PromptSynth:
