@@ -34,7 +34,7 @@ import trio
 import trio.testing
 
 if TYPE_CHECKING:
-    # Types only: the clock sits below the engine in the layering and never calls into it.
+    # Types only: the clocks sit with the bridge, above the engine, and never call into it.
     from nanoserve.outputs import StepResult
 
 Step = Callable[[], "StepResult"]
