@@ -22,7 +22,7 @@ import pytest
 import trio
 import trio.testing
 from http_harness import hypercorn_on_loopback, serving, sse_events
-from test_server_api import make_engine
+from server_harness import make_engine
 
 from nanoserve.engine import Engine
 from nanoserve.server import ServerConfig, counter_ids, create_app, server_state
@@ -531,7 +531,7 @@ async def test_live_smollm2_traffic_replays_with_the_same_tokens(
 
 
 async def test_redacted_prompts_keep_their_token_counts(tmp_path: Path) -> None:
-    from test_server_api import stub_parts
+    from http_harness import stub_parts
 
     tok = stub_parts()[1]
     path = tmp_path / "redacted.jsonl"
@@ -575,7 +575,7 @@ async def test_sigint_flushes_a_complete_trace(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from test_server_shutdown import keep_reading, read_until_ready
+    from server_harness import keep_reading, read_until_ready
 
     path = tmp_path / "served.jsonl"
     cmd = [sys.executable, "-m", "nanoserve.cli", "serve", "--model", "stub", "--port", "0",

@@ -27,7 +27,7 @@ import trio
 import trio.testing
 from http_harness import hypercorn_on_loopback
 from hypercorn.events import Closed, RawData
-from test_server_api import make_engine
+from server_harness import make_engine
 
 from nanoserve.engine import Engine
 from nanoserve.server import ServerConfig, counter_ids, create_app, server_state

@@ -20,7 +20,7 @@ from nanoserve.serving import AsyncEngine
 from nanoserve.serving.ledger import Ledger
 from sim.replay.run import replay
 
-TRACES = Path(__file__).resolve().parent.parent / "traces"
+TRACES = Path(__file__).resolve().parents[2] / "traces"
 
 
 def mismatches(*names: str) -> list[str]:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import trio
 from http_harness import hypercorn_on_loopback
-from test_server_api import make_app, make_engine
+from server_harness import make_app, make_engine
 
 from nanoserve.server import server_state
 from nanoserve.serving.clock import LiveClock

@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 import trio
 from http_harness import hypercorn_on_loopback
-from test_server_api import make_engine
+from server_harness import make_engine
 
 from nanoserve.model.loader import resolve_model
 from nanoserve.server import ServerConfig, counter_ids, create_app, server_state
 from nanoserve.serving.clock import LiveClock
 from sim.bench.guidellm import GUIDELLM, guidellm_command, offline_env, summarize
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(
     not (ROOT / GUIDELLM).exists(),

@@ -14,50 +14,15 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from http_harness import AsgiHarness, serving, stub_parts
+from http_harness import serving, stub_parts
 from prometheus_client.openmetrics import parser as openmetrics_parser
 from prometheus_client.parser import text_string_to_metric_families
+from server_harness import CREATED, GOOD, assert_error, assert_serving, make_app, make_engine
 
-from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
-from nanoserve.server import ServerConfig, counter_ids, create_app, server_state
+from nanoserve.server import ServerConfig, create_app, server_state
 from nanoserve.server.metrics import TTFT_BUCKETS
 from nanoserve.serving.clock import GateClock, StepClock
-
-CREATED = 1_700_000_000
-GOOD = {"model": "stub", "prompt": "def step(self):", "max_tokens": 4, "temperature": 0.0}
-
-
-def make_engine(**cfg: Any) -> Engine:
-    model, tok = stub_parts()
-    base: dict[str, Any] = {"block_size": 16, "num_blocks": 128, "max_model_len": 1024}
-    return Engine(model, tok, EngineConfig(**{**base, **cfg}))
-
-
-def make_app(engine: Any = None, *, clock: Any = None, **cfg: Any) -> Any:
-    return create_app(
-        engine if engine is not None else make_engine(),
-        ServerConfig("stub", **cfg),
-        clock=clock or StepClock(),
-        id_source=counter_ids(),
-        time_source=lambda: float(CREATED),
-    )
-
-
-def assert_error(r: Any, status: int, param: str | None) -> dict[str, Any]:
-    assert r.status == status, r.body
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert err["param"] == param, err
-    assert err["message"]
-    return err
-
-
-async def assert_serving(h: AsgiHarness) -> None:
-    r = await h.post("/v1/completions", GOOD)
-    assert r.status == 200, r.body
-    assert r.json()["usage"]["completion_tokens"] == 4
-
 
 CHAT = {"model": "stub", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [

@@ -16,7 +16,7 @@ from typing import Any
 import trio
 import trio.testing
 from http_harness import serving
-from test_server_api import GOOD, assert_error, make_app, make_engine
+from server_harness import GOOD, assert_error, make_app, make_engine
 
 from nanoserve.engine import Engine
 from nanoserve.server import drain, server_state

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import signal
 import subprocess
 import sys
@@ -22,36 +21,10 @@ from typing import Any
 import httpx
 import pytest
 import trio
+from server_harness import keep_reading, read_until_ready
 
 SERVE = [sys.executable, "-m", "nanoserve.cli", "serve", "--model", "stub", "--port", "0",
          "--max-model-len", "4096", "--num-blocks", "1024", "--shutdown-grace", "0.5"]
-
-
-async def read_until_ready(stderr: trio.abc.ReceiveStream, log: list[str]) -> str:
-    """The bound URL, once the log says so and says the weights have loaded (until then
-    the server answers 503)."""
-    buf, url = b"", None
-    while True:
-        chunk = await stderr.receive_some()
-        if not chunk:
-            raise AssertionError("server exited before it was ready:\n" + "\n".join(log))
-        buf += chunk
-        *lines, rest = buf.split(b"\n")
-        buf = rest
-        for line in lines:
-            log.append(line.decode(errors="replace"))
-            m = re.search(r"listening on (http://\S+)", log[-1])
-            url = m.group(1) if m else url
-            if url and "engine ready" in log[-1]:
-                return url
-
-
-async def keep_reading(stderr: trio.abc.ReceiveStream, log: list[str]) -> None:
-    # A full pipe would block the server's logging, so the rest of stderr is drained too.
-    buf = b""
-    while chunk := await stderr.receive_some():
-        buf += chunk
-    log.extend(buf.decode(errors="replace").splitlines())
 
 
 async def test_sigterm_ends_streams_with_done_and_exits_zero() -> None:

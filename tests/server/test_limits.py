@@ -16,7 +16,7 @@ import httpx
 import pytest
 import trio
 from http_harness import hypercorn_on_loopback, serving
-from test_server_api import GOOD, assert_error, assert_serving, make_app, make_engine
+from server_harness import GOOD, assert_error, assert_serving, make_app, make_engine
 
 from nanoserve.sampling import MAX_N
 from nanoserve.serving.clock import LiveClock

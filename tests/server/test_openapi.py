@@ -11,7 +11,7 @@ from typing import Any
 
 import jsonschema_rs
 from http_harness import serving, stub_parts
-from test_server_api import make_app
+from server_harness import make_app
 
 from nanoserve.sampling import MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS
 from nanoserve.server.openapi import document

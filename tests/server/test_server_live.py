@@ -11,32 +11,22 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
 from typing import Any
 
 import openai
 import pytest
 import trio
 import trio.testing
-from http_harness import hypercorn_on_loopback, stub_parts
-from test_server_api import make_engine
+from http_harness import stub_parts
+from server_harness import live, make_engine
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
-from nanoserve.server import ServerConfig, counter_ids, create_app, server_state
-from nanoserve.serving.clock import GateClock, LiveClock
+from nanoserve.server import server_state
+from nanoserve.serving.clock import GateClock
 from nanoserve.tokenizer import Tokenizer
 
 PROMPT = "def step(self):"
-
-
-@asynccontextmanager
-async def live(engine: Engine, clock: Any = None, name: str = "stub") -> AsyncIterator[Any]:
-    """Serve on a free loopback port; yield (base URL, app)."""
-    app = create_app(engine, ServerConfig(name), clock=clock or LiveClock(),
-                     id_source=counter_ids(), time_source=lambda: 1_700_000_000.0)
-    async with hypercorn_on_loopback(app) as url:
-        yield url, app
 
 
 def client(url: str) -> openai.OpenAI:

@@ -22,8 +22,7 @@ from typing import Any
 import pytest
 import trio
 from http_harness import stub_parts
-from test_server_api import make_engine
-from test_server_live import live
+from server_harness import live, make_engine
 
 from sim.bench import cli as bench_cli
 from sim.bench.client import BenchRequest, make_client, prepare_body, run_load, send_one

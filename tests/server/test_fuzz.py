@@ -21,7 +21,7 @@ import trio
 from http_harness import AsgiHarness, HttpResponse, serving, stub_parts
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
-from test_server_api import make_app, make_engine
+from server_harness import make_app, make_engine
 
 from nanoserve.server import ServerConfig, server_state
 from nanoserve.server.openapi import request_schemas

@@ -18,9 +18,9 @@ from typing import Any
 
 import trio
 import trio.testing
+from fault_harness import BOUND_S, STREAM, Steps, reference
 from http_harness import hypercorn_on_loopback, serving, stub_parts
-from test_faults import BOUND_S, STREAM, Steps, reference
-from test_server_api import make_app, make_engine
+from server_harness import make_app, make_engine
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
