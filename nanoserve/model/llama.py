@@ -134,6 +134,16 @@ class LlamaModel:
                    for ly in self.layers for p in (ly.qkv, ly.o, ly.gate_up, ly.down)}
         self.stack_format = (next(iter(formats)) if len(formats) == 1 and None not in formats
                              and self.native_attention else None)
+        # The stack's per-layer weights, gathered once: the same lists every decode step.
+        self._stack_weights: tuple[object, ...] = ()
+        if self.stack_format is not None:
+            def blocks(get: Callable[[_Layer], Proj | QuantProj]) -> list[torch.Tensor]:
+                return [cast(QuantProj, get(ly)).weight.blocks for ly in self.layers]
+
+            self._stack_weights = (
+                [ly.attn_norm for ly in self.layers], blocks(lambda ly: ly.qkv),
+                blocks(lambda ly: ly.o), [ly.mlp_norm for ly in self.layers],
+                blocks(lambda ly: ly.gate_up), blocks(lambda ly: ly.down), self.stack_format)
         # RoPE angles for every position, once: pos * theta^(-2i/D) in float32 (the product
         # is exact to one rounding, as in the reference), duplicated for rotate_half.
         d = config.head_dim
@@ -259,18 +269,10 @@ class LlamaModel:
         output (x, the residual, is updated in place as the layer loop updates it)."""
         c, n = self.config, plan.attention.native
         assert n is not None
-        assert self.stack_format is not None
-
-        def blocks(get: Callable[[_Layer], Proj | QuantProj]) -> list[torch.Tensor]:
-            return [cast(QuantProj, get(ly)).weight.blocks for ly in self.layers]
-
         m: torch.Tensor = torch.ops.nanoserve.decode_stack(
-            x, [ly.attn_norm for ly in self.layers], blocks(lambda ly: ly.qkv),
-            blocks(lambda ly: ly.o), [ly.mlp_norm for ly in self.layers],
-            blocks(lambda ly: ly.gate_up), blocks(lambda ly: ly.down), self.stack_format,
-            self._cache(), plan.cos, plan.sin, plan.positions, plan.slot_mapping, n.rows,
-            n.block_tables, n.context_lens, self.block_size, c.num_heads, c.num_kv_heads,
-            c.head_dim, c.head_dim**-0.5, c.rms_norm_eps)
+            x, *self._stack_weights, self._cache(), plan.cos, plan.sin, plan.positions,
+            plan.slot_mapping, n.rows, n.block_tables, n.context_lens, self.block_size,
+            c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim**-0.5, c.rms_norm_eps)
         return m
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:

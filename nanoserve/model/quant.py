@@ -12,7 +12,7 @@ only the order of a dot product's additions differs from a float32 matmul over t
 
 Why not PyTorch's own weight-only ops: `_weight_int4pack_mm_for_cpu` (what torchao's CPU
 int4 layout calls too) with float32 activations took 107.7 ms for the 30 layers' projections
-at one row, against 35.7 ms for the packed float32 weights and 9-13 ms for these kernels,
+at one row, against 35.7 ms for the packed float32 weights and 5.4-6.8 ms for these kernels,
 and 20 to 40 times the float32 time at 4 to 64 rows; `_weight_int8pack_mm` has one scale
 per output channel, where Q8_0 has one per 32 weights.
 """
