@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from nanoserve.model.base import ForwardBatch, Model, ModelConfig
 from nanoserve.tokenizer import Tokenizer
@@ -30,78 +29,53 @@ def load(
     dtype: str = "float32",
     stub_eos_prob: float = 0.0,
     quantization: str = "auto",
+    tensor_parallel_size: int = 1,
+    distributed_backend: str = "auto",
+    tp_exact: bool = False,
 ) -> tuple[Model, Tokenizer]:
     """`smollm2` (the embedded model), `stub`, or a path to a Hugging Face Llama folder or a
     GGUF file. The stub uses SmolLM2's tokenizer, so its text behaves like the real model's.
     `quantization` (model/quant.py): `auto` keeps a GGUF's own block formats where kernels
-    exist, `none` dequantizes to float32, `q8_0`/`q4_0`/`q4_1` quantize to that format."""
-    import torch
-
+    exist, `none` dequantizes to float32, `q8_0`/`q4_0`/`q4_1` quantize to that format.
+    `tensor_parallel_size` > 1 shards the weights over that many processes (model/parallel/),
+    joined by `distributed_backend` (auto: nccl on CUDA, gloo on the CPU); `tp_exact` sums
+    the shards' partial outputs in rank order instead of by all-reduce (bitwise reproducible
+    against `parallel.emulate`)."""
     from nanoserve.model.loader import resolve_model
-    from nanoserve.model.quant import CHOICES
+    from nanoserve.model.weights import check_choices, llama_weights, torch_dtype
 
-    if quantization not in CHOICES:
-        raise ValueError(f"quantization must be one of {', '.join(CHOICES)}, got "
-                         f"{quantization!r}")
+    check_choices(dtype, quantization)
     if name == "stub":
         from nanoserve.model.stub import StubModel
 
+        if tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size: the stub model has no weights to shard; "
+                             "it runs at 1")
         tok = Tokenizer.from_folder(resolve_model("smollm2"))
         return StubModel(tok, eos_prob=stub_eos_prob, device=device), tok
-    from nanoserve.model.llama import LlamaModel
-
     folder = resolve_model(name) if name == "smollm2" else resolve_model(str(Path(name)))
     tok = Tokenizer.from_folder(folder)
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-                   "float16": torch.float16}.get(dtype)
-    if torch_dtype is None:
-        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
-    weights = _quantized_weights(name, folder, quantization, device, torch_dtype)
-    if weights is None:
-        return LlamaModel.from_folder(folder, device=device, dtype=torch_dtype), tok
-    from nanoserve.model.loader import load_model_config
+    if tensor_parallel_size != 1:
+        from nanoserve.model.parallel import LoadSpec, TensorParallelModel
 
-    return LlamaModel(load_model_config(folder), weights, device=device, dtype=torch_dtype), tok
+        spec = LoadSpec(name, device, dtype, quantization)
+        return TensorParallelModel(spec, tensor_parallel_size, backend=distributed_backend,
+                                   exact=tp_exact), tok
+    from nanoserve.model.llama import LlamaModel
 
-
-def _quantized_weights(
-    name: str, folder: Path, quantization: str, device: str, dtype: Any
-) -> dict[str, Any] | None:
-    """The weights with quantized projections, or None for the float32 folder as it is."""
-    import logging
-
-    import torch
-
-    from nanoserve.model import native
-    from nanoserve.model.gguf import read_gguf_weights
-    from nanoserve.model.llama import load_weights
-    from nanoserve.model.loader import gguf_path
-    from nanoserve.model.quant import BLOCK_BYTES, quantize
-
-    if quantization == "none":
-        return None
-    if not (torch.device(device).type == "cpu" and dtype == torch.float32
-            and native.available()):
-        logging.getLogger(__name__).warning(
-            "--quantization %s: the quantized kernels run on the CPU in float32 with "
-            "nanoserve's native kernels; using float32 weights", quantization)
-        return None
-    gguf = gguf_path(name)
-    if quantization == "auto":
-        if gguf is None:
-            return None  # a float32 (or bf16) folder: nothing quantized to keep
-        return read_gguf_weights(gguf, keep=frozenset(BLOCK_BYTES))
-    # One format for every matrix: from the file's values (dequantized), by gguf-py.
-    weights: dict[str, Any] = (read_gguf_weights(gguf, keep=frozenset()) if gguf is not None
-                               else load_weights(folder))
-    return {k: quantize(v, quantization) if v.dim() == 2 else v for k, v in weights.items()}
+    config, weights = llama_weights(name, device=device, dtype=dtype,
+                                    quantization=quantization)
+    return LlamaModel(config, weights, device=device, dtype=torch_dtype(dtype)), tok
 
 
-def kv_geometry(name: str, dtype: str = "float32") -> tuple[int, int]:
+def kv_geometry(name: str, dtype: str = "float32", tensor_parallel_size: int = 1
+                ) -> tuple[int, int]:
     """(context length, KV-cache bytes per token) of the model `load(name, dtype=dtype)`
     would load, read from its metadata without loading or converting weights: what
     `EngineConfig.layout` needs to judge a configuration before a server binds its socket.
-    Raises OSError or ValueError for a model that cannot be found or read."""
+    With tensor parallelism the bytes are one rank's (its KV heads): the pool is sized per
+    rank. Raises OSError or ValueError for a model that cannot be found or read, or that
+    does not shard at `tensor_parallel_size`."""
     if name == "stub":
         from nanoserve.model.stub import STUB_CONTEXT
 
@@ -111,4 +85,9 @@ def kv_geometry(name: str, dtype: str = "float32") -> tuple[int, int]:
     if dtype not in _DTYPE_BYTES:
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
     config = peek_config(name)
+    if tensor_parallel_size != 1:
+        from nanoserve.model.parallel.shard import check_tp_size, local_config
+
+        check_tp_size(config, tensor_parallel_size)
+        config = local_config(config, tensor_parallel_size)
     return config.max_position_embeddings, config.kv_bytes_per_token(_DTYPE_BYTES[dtype])

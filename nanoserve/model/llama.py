@@ -70,8 +70,12 @@ class LlamaModel:
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         pack_weights: bool | None = None,
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.config = config
+        # Tensor parallelism (model/parallel/): the sum over the ranks of a row-parallel
+        # projection's partial output (o and down), in place or as a new tensor; None alone.
+        self.reduce = reduce
         self.device = torch.device(device)
         self.dtype = dtype
         if pack_weights is None:  # wherever it is possible
@@ -133,7 +137,7 @@ class LlamaModel:
         formats = {p.weight.format if isinstance(p, QuantProj) else None
                    for ly in self.layers for p in (ly.qkv, ly.o, ly.gate_up, ly.down)}
         self.stack_format = (next(iter(formats)) if len(formats) == 1 and None not in formats
-                             and self.native_attention else None)
+                             and self.native_attention and reduce is None else None)
         # The stack's per-layer weights, gathered once: the same lists every decode step.
         self._stack_weights: tuple[object, ...] = ()
         if self.stack_format is not None:
@@ -236,8 +240,18 @@ class LlamaModel:
         return None
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        h = self.hidden(batch)
+        # The head runs outside inference mode so that the logits are an ordinary tensor: a
+        # sampler may then scale or mask them in place (inference tensors forbid that).
+        with torch.no_grad():
+            return self.lm_head(h).float()  # [R, vocab]
+
+    def hidden(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run every layer; the final-normed hidden states [R, hidden] at the logits rows
+        (what the LM head takes; tensor-parallel ranks other than 0 stop here)."""
         cache = self._cache()
         nat = self.native_layers
+        reduce = self.reduce or (lambda t: t)
         with torch.inference_mode():
             plan = self._plan(batch)
             eps = self.config.rms_norm_eps
@@ -249,20 +263,17 @@ class LlamaModel:
             else:
                 h = ops.rms_norm(x, self.layers[0].attn_norm, eps, native=nat)
                 for i, layer in enumerate(self.layers):
-                    a = self._attention(layer, h, cache[i, 0], cache[i, 1], plan)
+                    a = reduce(self._attention(layer, h, cache[i, 0], cache[i, 1], plan))
                     h = ops.add_rms_norm(x, a, layer.mlp_norm, eps, native=nat)  # x += a
-                    m = layer.down(ops.silu_mul(layer.gate_up(h), native=nat))
+                    m = reduce(layer.down(ops.silu_mul(layer.gate_up(h), native=nat)))
                     if i + 1 < len(self.layers):
                         h = ops.add_rms_norm(x, m, self.layers[i + 1].attn_norm, eps,
                                              native=nat)
             # The last residual add, final norm and LM head only where logits are wanted:
             # an unfinished prefill chunk needs none, and the head is the largest matrix.
             idx = plan.logits_indices
-            h = ops.rms_norm(x[idx] + m[idx], self.norm, eps, native=nat)  # [R, hidden]
-        # The head runs outside inference mode so that the logits are an ordinary tensor: a
-        # sampler may then scale or mask them in place (inference tensors forbid that).
-        with torch.no_grad():
-            return self.lm_head(h).float()  # [R, vocab]
+            out: torch.Tensor = ops.rms_norm(x[idx] + m[idx], self.norm, eps, native=nat)
+            return out
 
     def _decode_stack(self, x: torch.Tensor, plan: _Plan) -> torch.Tensor:
         """Every layer of a decode-only step in one native call; returns the last MLP
