@@ -17,7 +17,11 @@ the virtual clock (nanoserve.serving.clock.VirtualClock), restated as a discrete
 
 With one replica this is the same sequence of steps as AsyncEngine + VirtualClock
 (tests/test_capacity_fleet.py checks it), and with N it plans a fleet: a router places each
-arrival on a replica when it arrives, seeing every replica's state at that moment.
+arrival on a replica when it arrives, seeing every replica's load (requests routed to it and
+not finished) at that moment. The routers are sim/capacity/routers.py, shared with the
+measured fleet of `sim validate`. One difference from a real fleet: a step's updates are
+computed at its start, so a request that finishes in a step stops counting towards its
+replica's load from the step's start here, from its end in a fleet of bridges.
 """
 
 from __future__ import annotations
@@ -32,9 +36,9 @@ from nanoserve.engine import Engine
 from nanoserve.outputs import EngineStats, StepResult
 from nanoserve.request import Update
 from nanoserve.sampling import ParamError
+from sim.capacity.routers import ROUTERS as ROUTERS
+from sim.capacity.routers import CacheAwareConfig, Router
 from sim.load.workload import SimRequest
-
-ROUTERS = ("round_robin", "least_loaded", "prefix_affinity")
 
 
 @dataclass(slots=True)
@@ -105,36 +109,6 @@ class _Replica:
         return len(self.pending) + len(s.waiting) + len(s.running)
 
 
-class _Router:
-    def __init__(self, kind: str, replicas: Sequence[_Replica], key_tokens: int) -> None:
-        if kind not in ROUTERS:
-            raise ValueError(f"router must be one of {', '.join(ROUTERS)}, got {kind!r}")
-        self.kind = kind
-        self.replicas = replicas
-        self.key_tokens = key_tokens
-        self._next = 0
-        self._affinity: dict[tuple[int, ...], int] = {}
-
-    def pick(self, req: SimRequest) -> _Replica:
-        if self.kind == "round_robin":
-            r = self.replicas[self._next % len(self.replicas)]
-            self._next += 1
-            return r
-        if self.kind == "prefix_affinity":
-            # Requests that share their first KV block go where that block is cached;
-            # a new first block goes to the least loaded replica and stays there.
-            key = req.prompt_ids[: self.key_tokens]
-            index = self._affinity.get(key)
-            if index is None:
-                index = self._least_loaded().index
-                self._affinity[key] = index
-            return self.replicas[index]
-        return self._least_loaded()
-
-    def _least_loaded(self) -> _Replica:
-        return min(self.replicas, key=lambda r: (r.load(), r.index))
-
-
 def simulate(
     requests: Sequence[SimRequest],
     make_engine: Callable[[], Engine],
@@ -144,12 +118,18 @@ def simulate(
     router: str = "round_robin",
     max_queue: int | None = None,
     on_progress: Callable[[int], None] | None = None,
+    cache_aware: CacheAwareConfig | None = None,
 ) -> SimResult:
-    """Run `requests` (in arrival order) on `replicas` fresh engines in modelled time."""
+    """Run `requests` (in arrival order) on `replicas` fresh engines in modelled time.
+    `router` (sim/capacity/routers.py) places each arrival seeing every replica's load."""
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     reps = [_Replica(i, make_engine()) for i in range(replicas)]
-    pick = _Router(router, reps, reps[0].engine.config.block_size).pick
+    policy = Router(router, replicas, reps[0].engine.config.block_size, cache_aware)
+
+    def pick(req: SimRequest) -> _Replica:
+        return reps[policy.pick(req.prompt_ids, [r.load() for r in reps], req.at_s)]
+
     records = [Record(r.id, r.at_s, len(r.prompt_ids)) for r in requests]
     by_id: dict[str, tuple[SimRequest, Record]] = {}
     timeline: list[Sample] = []
