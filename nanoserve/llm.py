@@ -25,11 +25,23 @@ class LLM:
         dtype: str = "float32",
         stub_eos_prob: float = 0.0,
         quantization: str = "auto",
+        tensor_parallel_size: int = 1,
+        distributed_backend: str = "auto",
+        tp_exact: bool = False,
         **engine_kwargs: Any,
     ) -> None:
+        """`tensor_parallel_size` > 1 shards the weights over that many processes
+        (nanoserve.model.parallel); `close()` stops them (they also stop at exit)."""
         m, tok = load(model, device=device, dtype=dtype, stub_eos_prob=stub_eos_prob,
-                      quantization=quantization)
+                      quantization=quantization, tensor_parallel_size=tensor_parallel_size,
+                      distributed_backend=distributed_backend, tp_exact=tp_exact)
         self.engine = Engine(m, tok, EngineConfig(**engine_kwargs))
+
+    def close(self) -> None:
+        """Release what the model holds outside this process (tensor-parallel ranks)."""
+        close = getattr(self.engine.model, "close", None)
+        if close is not None:
+            close()
 
     @classmethod
     def from_parts(cls, model: Model, tokenizer: Tokenizer, config: EngineConfig) -> LLM:

@@ -35,6 +35,8 @@ import trio
 from nanoserve.config import ConfigError, EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.model import kv_geometry
+from nanoserve.model.loader import peek_config
+from nanoserve.model.parallel import BACKENDS, check_tp_size
 from nanoserve.model.quant import CHOICES
 from nanoserve.server import hypercorn_fixes
 from nanoserve.server.app import create_app, drain
@@ -71,6 +73,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     a("--quantization", default="auto", choices=CHOICES,
       help="auto: a GGUF's own Q4_0/Q4_1/Q8_0 blocks; none: float32; q8_0/q4_0/q4_1: that "
       "format for every matrix [auto]")
+    a("--tensor-parallel-size", "-tp", type=int, default=1,
+      help="shard the weights over N processes (torch.distributed) [1]")
+    a("--distributed-backend", default="auto", choices=BACKENDS,
+      help="auto: nccl on CUDA, gloo on the CPU [auto]")
+    a("--tp-exact", action="store_true",
+      help="sum the shards in rank order (all-gather) instead of all-reduce: bitwise "
+      "reproducible across runs and against the in-process emulation")
     a("--block-size", type=int, default=16)
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--num-blocks", type=int, default=None)
@@ -128,8 +137,18 @@ def run(a: argparse.Namespace) -> int:
 
 def check_fits(a: argparse.Namespace, cfg: EngineConfig) -> None:
     """Judge `cfg` against the model's metadata (its weights are loaded after the bind)."""
+    tp = a.tensor_parallel_size
+    if tp != 1:
+        if a.model == "stub":
+            raise ConfigError("--tensor-parallel-size: the stub model has no weights to shard")
+        try:
+            check_tp_size(peek_config(a.model), tp, "--tensor-parallel-size")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        except OSError:
+            pass  # kv_geometry names the model that cannot be read
     try:
-        context_len, per_token = kv_geometry(a.model, a.dtype)
+        context_len, per_token = kv_geometry(a.model, a.dtype, tp)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"--model {a.model}: {exc}") from None
     cfg.layout(context_len, per_token * cfg.block_size)
@@ -144,7 +163,10 @@ async def _serve(
 
         log.info("loading model %s (device %s, dtype %s)", a.model, a.device, a.dtype)
         model, tokenizer = load(a.model, device=a.device, dtype=a.dtype,
-                                quantization=a.quantization)
+                                quantization=a.quantization,
+                                tensor_parallel_size=a.tensor_parallel_size,
+                                distributed_backend=a.distributed_backend,
+                                tp_exact=a.tp_exact)
         return Engine(model, tokenizer, cfg)
 
     stop_requested, hurry, stop_serving, served = (trio.Event() for _ in range(4))

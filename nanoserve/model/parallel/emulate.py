@@ -30,9 +30,11 @@ def shard_models(config: ModelConfig, weights: Mapping[str, Any], world_size: in
 
 def emulate(config: ModelConfig, weights: Mapping[str, Any], world_size: int,
             batches: Sequence[ForwardBatch], *, num_blocks: int, block_size: int,
-            **model_kwargs: Any) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+            threads: int = 1, **model_kwargs: Any
+            ) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
     """Run `batches` in order on an emulated N-way group: (rank 0's logits per batch, every
-    rank's final hidden states per batch)."""
+    rank's final hidden states per batch). `threads`: torch threads in each rank's thread,
+    as a process group's rank takes them (cores // N)."""
     group = ThreadGroup(world_size)
     models = shard_models(config, weights, world_size, group, **model_kwargs)
     hidden: list[list[torch.Tensor]] = [[] for _ in batches]
@@ -41,6 +43,7 @@ def emulate(config: ModelConfig, weights: Mapping[str, Any], world_size: int,
     def run(rank: int) -> None:
         m = models[rank]
         try:
+            torch.set_num_threads(threads)
             m.init_kv_cache(num_blocks, block_size)
             for i, b in enumerate(batches):
                 h = m.hidden(b)
@@ -53,10 +56,10 @@ def emulate(config: ModelConfig, weights: Mapping[str, Any], world_size: int,
             group.abort()
 
     out: list[dict[int, torch.Tensor]] = [{} for _ in range(world_size)]
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world_size)]
-    for t in threads:
+    ranks = [threading.Thread(target=run, args=(r,)) for r in range(world_size)]
+    for t in ranks:
         t.start()
-    for t in threads:
+    for t in ranks:
         t.join()
     if errors:
         raise errors[0]

@@ -90,6 +90,7 @@ class TensorParallelModel:
                  world_size, self.group.backend, self.group.threads,
                  " ".join(str(p.pid) for p in self.procs))
         self._finalizer = weakref.finalize(self, _stop, self.channel, list(self.procs))
+        self._threads_before = torch.get_num_threads()
         torch.set_num_threads(self.group.threads)  # here: a thread count is per thread
         try:
             self.model = self._while_alive(lambda: build_shard(spec, self.group, 0))
@@ -142,6 +143,7 @@ class TensorParallelModel:
         import torch.distributed as dist
 
         self._finalizer()
+        torch.set_num_threads(self._threads_before)
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()

@@ -48,14 +48,14 @@ def valid_tp_sizes(config: ModelConfig) -> list[int]:
     return [n for n in range(1, config.num_heads + 1) if not _problems(config, n)]
 
 
-def check_tp_size(config: ModelConfig, n: int) -> None:
+def check_tp_size(config: ModelConfig, n: int, field: str = "tensor_parallel_size") -> None:
     """ValueError, in one line naming the sizes that work, unless N shards exactly."""
     if n < 1:
-        raise ValueError(f"tensor_parallel_size must be >= 1, got {n}")
+        raise ValueError(f"{field} must be >= 1, got {n}")
     bad = _problems(config, n)
     if bad:
         sizes = ", ".join(map(str, valid_tp_sizes(config)))
-        raise ValueError(f"tensor_parallel_size {n} does not divide {'; '.join(bad)}; "
+        raise ValueError(f"{field} {n} does not divide {'; '.join(bad)}; "
                          f"this model shards at {sizes}")
 
 
