@@ -25,8 +25,9 @@ from nanoserve.tokenizer import Tokenizer
 from sim.capacity.calibrate import geometric_mean, scaled
 from sim.capacity.cost import CostModel
 from sim.capacity.fleet import Record, simulate
+from sim.capacity.measured import drive_bridge
 from sim.capacity.plan import flat
-from sim.capacity.validate import COMPARED, drive_bridge, predict
+from sim.capacity.validate import COMPARED, predict
 from sim.cli import main
 from sim.cli_util import engine_config
 from sim.load.spec import parse_load_spec

@@ -1,0 +1,155 @@
+"""The measured side of `sim validate`: real engines behind the bridge, driven by clients.
+
+A fleet is N AsyncEngines in one Trio run, each with its own engine and model object (the
+model holds its replica's KV cache, so replicas cannot share one). One dispatcher task takes
+the arrivals in order: at each one's at_s it asks the router (sim/capacity/routers.py, the
+same object the simulated fleet uses) for a replica, given every bridge's requests in flight,
+and queues the request there at once, so the next arrival sees it counted, as the simulator's
+does. A reader task per request streams its updates and notes when each arrives.
+
+`drive_fleet` works under any clock: under the virtual clock (trio.testing.MockClock) it is
+the slow, Trio path that tests/sim/test_capacity_fleet.py holds the fast engine-level loop
+(sim/capacity/fleet.py) to. Under the live clock each bridge runs its steps in a worker
+thread (LiveClock), so N replicas step in parallel, as far as the torch threads (validate's
+--threads) and the GIL held by each step's Python let them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AsyncExitStack
+
+import trio
+
+from nanoserve.engine import Engine
+from nanoserve.outputs import StepResult
+from nanoserve.progress import bar
+from nanoserve.sampling import ParamError, SamplingParams
+from nanoserve.serving import AsyncEngine, RequestStream
+from nanoserve.serving.clock import LiveClock, Step
+from sim.capacity.fleet import Record, SimResult
+from sim.capacity.routers import Router
+from sim.load.workload import SimRequest, Workload
+
+
+async def drive_fleet(requests: Sequence[SimRequest], bridges: Sequence[AsyncEngine],
+                      router: Router, max_queue: int | None = None,
+                      on_done: Callable[[], object] | None = None) -> list[Record]:
+    """Every request as a client of the fleet `bridges`, placed by `router`, from now;
+    records in trio's clock, from now. `on_done` is called as each client ends."""
+    t0 = trio.current_time()
+    records = [Record(r.id, r.at_s, len(r.prompt_ids)) for r in requests]
+
+    def done() -> None:
+        if on_done is not None:
+            on_done()
+
+    async with trio.open_nursery() as nursery:
+        for req, rec in zip(requests, records, strict=True):
+            await trio.sleep_until(t0 + req.at_s)
+            loads = [b.statistics().in_flight for b in bridges]
+            rec.replica = router.pick(req.prompt_ids, loads, req.at_s)
+            stream = _submit(bridges[rec.replica], req, rec, max_queue)
+            if stream is None:
+                done()
+            else:
+                nursery.start_soon(_read, stream, req, rec, t0, done)
+    return records
+
+
+async def drive_bridge(requests: Sequence[SimRequest], bridge: AsyncEngine,
+                       max_queue: int | None = None,
+                       on_done: Callable[[], object] | None = None) -> list[Record]:
+    """`drive_fleet` on one bridge."""
+    return await drive_fleet(requests, [bridge], Router("round_robin", 1, 1), max_queue,
+                             on_done)
+
+
+def _submit(bridge: AsyncEngine, req: SimRequest, rec: Record, max_queue: int | None
+            ) -> RequestStream | None:
+    """Queue `req` on `bridge` now, or settle its record as the server would refuse it."""
+    if max_queue is not None:
+        s = bridge.statistics()
+        if s.queued + s.waiting + 1 > max_queue:
+            rec.status = "rejected"
+            return None
+    try:
+        prepared = bridge.prepare(list(req.prompt_ids), req.params)
+    except ParamError:
+        rec.status = "invalid"
+        return None
+    if req.stream and req.hangup_after_frames == 0:
+        rec.status = "aborted"
+        return None
+    return bridge.stream(prepared, request_id=req.id)
+
+
+async def _read(stream: RequestStream, req: SimRequest, rec: Record, t0: float,
+                done: Callable[[], None]) -> None:
+    try:
+        async with stream:
+            async for u in stream:
+                now = trio.current_time() - t0
+                rec.observe(u, now)
+                if u.finished:
+                    return
+                if req.stream and req.hangup_after_frames is not None \
+                        and rec.frames >= req.hangup_after_frames:
+                    rec.status = "aborted"  # leaving `async with` aborts it at the boundary
+                    rec.finish_s = now
+                    return
+    finally:
+        done()
+
+
+class TimedLiveClock(LiveClock):
+    """The live clock, adding up each step's wall and CPU time in the step's own thread."""
+
+    def __init__(self) -> None:
+        self.wall = self.cpu = 0.0
+
+    async def run_step(self, step: Step) -> StepResult:
+        def timed() -> StepResult:
+            w0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                return step()
+            finally:
+                self.wall += time.perf_counter() - w0
+                self.cpu += time.thread_time() - c0
+
+        return await super().run_step(timed)
+
+
+def measure(workload: Workload, engines: Sequence[Engine], router: Router,
+            progress: str | None = None) -> tuple[SimResult, float]:
+    """One wall-clock run of the workload on a fleet of `engines` (real weights, one model
+    object each) via the live clock, and the steps' contention: their wall time over their
+    threads' CPU time, all replicas together (1 on idle cores with one torch thread; more
+    when other processes, or the replicas' own Python under the GIL, share the cores).
+    `progress`: a bar with that label over the requests, on a terminal."""
+    clocks = [TimedLiveClock() for _ in engines]
+
+    async def main() -> list[Record]:
+        async with AsyncExitStack() as stack:
+            bridges = [await stack.enter_async_context(AsyncEngine.open(e, c))
+                       for e, c in zip(engines, clocks, strict=True)]
+            # One throwaway request each first: the first steps pay for lazy initialisation.
+            async with trio.open_nursery() as nursery:
+                for b in bridges:
+                    warm = b.prepare([1000] * 8, SamplingParams(temperature=0, max_tokens=2))
+                    nursery.start_soon(b.generate, warm)
+            return await drive_fleet(workload.requests, bridges, router,
+                                     on_done=lambda: shown.update(1))
+
+    shown = bar(len(workload.requests), progress or "", enabled=progress is not None,
+                unit="request")
+    try:
+        records = trio.run(main)
+    finally:
+        shown.close()
+    end = max((r.finish_s or 0.0 for r in records), default=0.0)
+    wall, cpu = sum(c.wall for c in clocks), sum(c.cpu for c in clocks)
+    contention = wall / cpu if cpu else 1.0
+    stats = tuple(e.statistics() for e in engines)
+    return SimResult(tuple(records), (), stats, end), contention
