@@ -3,7 +3,7 @@
   sim capacity (TRACE | --load SPEC) --cost COST.json [--sweep rate=1,2,4,8]
                [--sweep num_blocks=...] [--sweep max_num_seqs=...] [--slo ttft_p99=2s,...]
                [--seeds 3] [--warmup 0.1] [--replicas N --router KIND] [--max-queue N]
-               [--engine k=v ...] [--out PREFIX] [--no-plots]
+               [--engine k=v ...] [--out PREFIX] [--no-plots] [--jobs N]
   sim profile --model smollm2 [--out COST.json] [--quick]
   sim validate --load SPEC --cost COST.json [--runs 3] [--engine k=v ...]
 """
@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+from concurrent.futures import Executor
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ from nanoserve.tokenizer import Tokenizer
 from sim.capacity.cost import load_cost_model
 from sim.capacity.fleet import ROUTERS
 from sim.capacity.metrics import parse_slo
+from sim.capacity.parallel import ParallelPlanner, process_pool
 from sim.capacity.plan import Plan, Planner, default_num_blocks
 from sim.capacity.report import build_report, dumps_report, table, write_csv, write_plots
 from sim.cli_util import ENGINE_KEYS, engine_config, guarded, tokenizer
@@ -59,6 +62,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--tokenizer", default="smollm2", metavar="MODEL")
     p.add_argument("--quiet", action="store_true", help="no progress bar (shown on a terminal)")
+    p.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="runs (one seed at one point) in N processes at once; the report is "
+                   "the same byte for byte [1]")
     p.set_defaults(main=guarded(run_capacity))
 
 
@@ -85,6 +91,8 @@ def parse_sweeps(items: list[str]) -> dict[str, list[float]]:
 def run_capacity(a: argparse.Namespace) -> int:
     if (a.trace is None) == (a.load is None):
         raise ValueError("give a TRACE or --load SPEC (one of them)")
+    if a.jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {a.jobs}")
     cost = load_cost_model(a.cost)
     engine = engine_config(a.engine)
     sweeps = parse_sweeps(a.sweep)
@@ -99,10 +107,13 @@ def run_capacity(a: argparse.Namespace) -> int:
     else:
         seeds = [0]
         workloads = [trace_workload(a.trace, tok)]
-    report = plan_capacity(workloads, seeds, cost, plan, tok, sweeps, a.search_start,
-                           progress=LabelledProgress(enabled=not a.quiet,
-                                                            unit="request"), plots=not a.no_plots,
-                           out=Path(a.out))
+    pool = process_pool(a.jobs) if a.jobs > 1 else nullcontext(None)
+    with pool as executor:
+        progress = LabelledProgress(enabled=not a.quiet,
+                                    unit="request" if executor is None else "run")
+        report = plan_capacity(workloads, seeds, cost, plan, tok, sweeps, a.search_start,
+                               progress=progress, plots=not a.no_plots, out=Path(a.out),
+                               executor=executor, tokenizer_name=a.tokenizer)
     print(table(report))
     print(f"wrote {a.out}.json, {a.out}.csv" + ("" if a.no_plots else
           f", {a.out}.latency.png, {a.out}.timeline.png"))
@@ -111,13 +122,23 @@ def run_capacity(a: argparse.Namespace) -> int:
 
 def plan_capacity(workloads: list[Workload], seeds: list[int], cost: Any, plan: Plan,
                   tok: Tokenizer, sweeps: dict[str, list[float]], search_start: float | None,
-                  *, progress: Any = None, plots: bool = False, out: Path | None = None
+                  *, progress: Any = None, plots: bool = False, out: Path | None = None,
+                  executor: Executor | None = None, tokenizer_name: str | None = None
                   ) -> dict[str, Any]:
-    """The whole run: every grid point, the SLO searches, the report (and its files)."""
-    planner = Planner(workloads, cost, plan, tok, progress)
+    """The whole run: every grid point, the SLO searches, the report (and its files).
+    With an `executor`, the runs are its tasks (parallel.py), and workers load the tokenizer
+    by `tokenizer_name` if given; the report is the same as without."""
     rates: list[float | None] = list(sweeps.get("rate", [None]))
     blocks = [int(b) for b in sweeps.get("num_blocks", [default_num_blocks(cost, plan.engine)])]
     seqs = [int(s) for s in sweeps.get("max_num_seqs", [plan.engine.max_num_seqs])]
+    planner: Planner
+    if executor is None:
+        planner = Planner(workloads, cost, plan, tok, progress)
+    else:
+        planner = ParallelPlanner(workloads, cost, plan, tok, executor,
+                                  tokenizer_name=tokenizer_name, progress=progress)
+        planner.prefetch([(rate, nb, ms) for nb, ms, rate in
+                          itertools.product(blocks, seqs, rates)])
     points, timelines = [], []
     for nb, ms, rate in itertools.product(blocks, seqs, rates):
         points.append(planner.point(rate, nb, ms))

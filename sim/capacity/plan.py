@@ -76,6 +76,23 @@ def flat(summary: dict[str, Any]) -> dict[str, float | None]:
     return out
 
 
+def run_seed(workload: Workload, rate: float | None, num_blocks: int, config: EngineConfig,
+             cost: CostModel, plan: Plan, model: StubModel, tokenizer: Tokenizer, *,
+             on_progress: Callable[[int], None] | None = None
+             ) -> tuple[dict[str, Any], SimResult]:
+    """One seed at one point, on fresh engines: its summary and raw result. The one body of
+    a run, whether the Planner calls it in process or a worker of parallel.py does."""
+    load = workload if rate is None else workload.at_rate(rate)
+
+    def make() -> Engine:
+        return Engine(model, tokenizer, config)
+
+    result = simulate(load.requests, make, cost, replicas=plan.replicas, router=plan.router,
+                      max_queue=plan.max_queue, on_progress=on_progress)
+    return summarize(result, warmup=plan.warmup, slo=plan.slo, num_blocks=num_blocks,
+                     replicas=plan.replicas), result
+
+
 class Planner:
     def __init__(self, workloads: Sequence[Workload], cost: CostModel, plan: Plan,
                  tokenizer: Tokenizer, progress: Progress | None = None) -> None:
@@ -99,30 +116,35 @@ class Planner:
         """Per-seed summaries at one point, and the first seed's raw result (for plots).
         `rate` None runs the workloads at their own rate."""
         key = (rate, num_blocks, max_num_seqs)
-        if key in self._cache:
-            return self._cache[key]
+        if key not in self._cache:
+            self._cache[key] = self.run_seeds(rate, num_blocks, max_num_seqs)
+        return self._cache[key]
+
+    def run_seeds(self, rate: float | None, num_blocks: int, max_num_seqs: int
+                  ) -> tuple[list[dict[str, Any]], SimResult]:
+        """`run` without the cache: every seed, one after another (parallel.py overrides
+        this to spread them over an executor)."""
         config = self.engine_config(num_blocks, max_num_seqs)
-
-        def make() -> Engine:
-            return Engine(self.model, self.tokenizer, config)
-
         summaries: list[dict[str, Any]] = []
         first: SimResult | None = None
         for k, w in enumerate(self.workloads):
-            load = w if rate is None else w.at_rate(rate)
-            label = (f"rate={_fmt(load.base_rate)} blocks={num_blocks} seqs={max_num_seqs} "
-                     f"seed {k + 1}/{len(self.workloads)}")
-            total = len(load.requests)
-            tick = _ticker(self.progress, label, total)
-            result = simulate(load.requests, make, self.cost, replicas=self.plan.replicas,
-                              router=self.plan.router, max_queue=self.plan.max_queue,
-                              on_progress=tick)
-            summaries.append(summarize(result, warmup=self.plan.warmup, slo=self.plan.slo,
-                                       num_blocks=num_blocks, replicas=self.plan.replicas))
+            label = (f"rate={_fmt(w.base_rate if rate is None else rate)} blocks={num_blocks} "
+                     f"seqs={max_num_seqs} seed {k + 1}/{len(self.workloads)}")
+            tick = _ticker(self.progress, label, len(w.requests))
+            summary, result = run_seed(w, rate, num_blocks, config, self.cost, self.plan,
+                                       self.model, self.tokenizer, on_progress=tick)
+            summaries.append(summary)
             first = first or result
         assert first is not None
-        self._cache[key] = (summaries, first)
         return summaries, first
+
+    def cached(self, rate: float | None, num_blocks: int, max_num_seqs: int) -> bool:
+        return (rate, num_blocks, max_num_seqs) in self._cache
+
+    def remember(self, rate: float | None, num_blocks: int, max_num_seqs: int,
+                 summaries: list[dict[str, Any]], first: SimResult) -> None:
+        """Cache a point run elsewhere (parallel.py's prefetch): `run` then returns it."""
+        self._cache[(rate, num_blocks, max_num_seqs)] = (summaries, first)
 
     def point(self, rate: float | None, num_blocks: int, max_num_seqs: int) -> dict[str, Any]:
         summaries, _ = self.run(rate, num_blocks, max_num_seqs)
