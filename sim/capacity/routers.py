@@ -1,17 +1,19 @@
 """Routers: which replica of a fleet takes each arriving request.
 
 One implementation serves both sides of `sim validate`: the simulated fleet
-(sim/capacity/fleet.py) and the measured one (sim/capacity/validate.py) hand the same
+(sim/capacity/fleet.py) and the measured one (sim/capacity/measured.py) hand the same
 `Router` each arrival's prompt, the replicas' loads at that moment and the arrival time, and
 place the request where it says. A router never sees a replica: its policy is a function of
 what it was shown and of its own state (a counter, an affinity map, prefix trees).
 
-`cache_aware` follows SGLang's router (sglang-router 0.1.4: docs/router/router.md, "Cache-Aware
-Load-Balancing Router", and sgl-router/src/policies/cache_aware.rs and tree.rs in
-sgl-project/sglang). It keeps an approximate radix tree per replica of the prompts it sent
-there, instead of asking the replicas what they hold. The fleet is *imbalanced* when
-max_load - min_load > balance_abs_threshold and max_load > min_load * balance_rel_threshold;
-then the request goes to the least loaded replica (load = requests in flight there). When
+`cache_aware` follows SGLang's router, sglang-router 0.1.4 (sgl-project/sglang:
+docs/router/router.md, "Cache-Aware Load-Balancing Router", for the policy and its defaults;
+sgl-router/src/router.rs, `select_generate_worker`, and src/tree.rs for the details; the later
+sgl-router/src/policies/cache_aware.rs keeps the same logic). It keeps an approximate radix
+tree per replica of the prompts it sent there, instead of asking the replicas what they hold.
+The fleet is *imbalanced* when max_load - min_load > balance_abs_threshold and max_load >
+min_load * balance_rel_threshold; then the request goes to the least loaded replica (load:
+requests in flight there, which SGLang counts from its choice to the response's end). When
 balanced, the longest prefix match over all trees decides: if matched / len(prompt) >
 cache_threshold the request goes to a replica with that match, else to the replica whose tree
 is smallest (the most free cache). Either way the prompt is inserted into the chosen replica's
