@@ -13,7 +13,7 @@ from nanoserve.admission import Prepared, check_request, detokenizer_for
 from nanoserve.completions import share_prompt, siblings
 from nanoserve.config import EngineConfig
 from nanoserve.kv import BlockPool, KVManager
-from nanoserve.model.base import Model
+from nanoserve.model.base import Model, ModelLost
 from nanoserve.outputs import EngineStats, StepResult
 from nanoserve.request import FinishReason, Request, Status, Update
 from nanoserve.runner import ModelRunner
@@ -168,6 +168,8 @@ class Engine:
             return StepResult(self.num_steps, (), preempted, 0, 0)
         try:
             ran = self.runner.run(schedule, self._group_params, self._fork_rows)
+        except ModelLost:
+            raise  # no later step can run either: the engine itself has failed
         except Exception as exc:  # a broken step fails its own requests, not the engine
             return StepResult(self.num_steps, self._fail_step(schedule, exc), preempted, 0, 0)
         w = ran.work

@@ -39,6 +39,12 @@ class ModelConfig:
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * elem_size
 
 
+class ModelLost(RuntimeError):
+    """The model can run no further step (a tensor-parallel rank died or hung). The engine
+    lets it through instead of failing only that step's requests, so the serving loop dies
+    on its usual path: every request ends with the error, /health answers 503."""
+
+
 @dataclass(slots=True)
 class ForwardBatch:
     """One step's work, as plain Python lists (the model moves them to its device).

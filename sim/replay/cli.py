@@ -1,5 +1,5 @@
 """`sim replay TRACE... [--model stub|smollm2|PATH] [--out RESULT] [--update] [--no-twin]
-[--cost FILE]`: the command line of `sim.replay.run`.
+[--cost FILE] [--tensor-parallel-size N]`: the command line of `sim.replay.run`.
 
 Each trace prints its mismatches, one line each (prefixed by the trace's path when several
 are given), or one summary line when it replays clean. Exit status: 0 when every trace is
@@ -37,6 +37,8 @@ def add_parser(sub: Any) -> None:
                    help="rewrite each trace's expectation lines with what was observed")
     p.add_argument("--no-twin", dest="twin", action="store_false",
                    help="skip the second run with streams and unary requests swapped")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="shard the weights over N processes (nanoserve serve's flag) [1]")
     p.add_argument("--cost", metavar="FILE", help="step-cost model for virtual-clock traces "
                    "(default: the header's cost_model, else a constant per step)")
     p.set_defaults(main=_main)
@@ -64,7 +66,8 @@ def _one(path: Path, a: argparse.Namespace, prefix: str) -> int:
         return 2
     # --update checks only invariants and the twin: the old expectations are being replaced.
     check = False if a.update else None
-    result = replay(trace, model=a.model, twin=a.twin, cost=a.cost, check_expectations=check)
+    result = replay(trace, model=a.model, twin=a.twin, cost=a.cost, check_expectations=check,
+                    tensor_parallel_size=a.tensor_parallel_size)
     for w in result.warnings:
         print(f"{prefix}warning: {w}", file=sys.stderr)
     for line in result.mismatches:

@@ -99,13 +99,14 @@ def replay(
     twin: bool = True,
     cost: CostSpec = None,
     check_expectations: bool | None = None,
+    tensor_parallel_size: int = 1,
 ) -> ReplayResult:
     base: Path | None = None
     if not isinstance(trace, Trace):
         base = Path(trace).parent
         trace = load_trace(trace)
     check_header(trace.header)
-    weights = resolve_weights(trace.header, model, tokenizer)
+    weights = resolve_weights(trace.header, model, tokenizer, tensor_parallel_size)
     check = weights.is_headers if check_expectations is None else check_expectations
     cost_fn: CostFn | None = None
     if trace.header.clock == "virtual":

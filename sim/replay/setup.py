@@ -88,9 +88,10 @@ def engine_config(header: TraceHeader, weights: Weights) -> EngineConfig:
 
 
 def resolve_weights(header: TraceHeader, model: str | Model | None,
-                    tokenizer: Tokenizer | None) -> Weights:
+                    tokenizer: Tokenizer | None, tensor_parallel_size: int = 1) -> Weights:
     """`model`: None (the header's), a name or path, or a preloaded model (taken to be the
-    header's; it needs its `tokenizer`)."""
+    header's; it needs its `tokenizer`). `tensor_parallel_size` shards a named model's
+    weights over that many processes (nanoserve.model.parallel)."""
     if model is not None and not isinstance(model, str):
         if tokenizer is None:
             raise ReplayError("a preloaded model needs its tokenizer (tokenizer=...)")
@@ -98,7 +99,9 @@ def resolve_weights(header: TraceHeader, model: str | Model | None,
     name = model if model is not None else header.model
     eos = float(header.engine.get("stub_eos_prob", 0.0))
     try:
-        loaded, tok = _stub(eos) if name == "stub" else _load(name)
+        if name == "stub" and tensor_parallel_size != 1:
+            raise ValueError("--tensor-parallel-size: the stub model has no weights to shard")
+        loaded, tok = _stub(eos) if name == "stub" else _load(name, tensor_parallel_size)
     except (OSError, ValueError) as exc:
         hint = "" if model is not None else " (pass --model stub|smollm2|PATH)"
         raise ReplayError(f"cannot load model {name!r}: {exc}{hint}") from None
@@ -136,10 +139,10 @@ def _stub(eos_prob: float) -> tuple[Model, Tokenizer]:
 
 
 @functools.cache
-def _load(name: str) -> tuple[Model, Tokenizer]:
+def _load(name: str, tensor_parallel_size: int = 1) -> tuple[Model, Tokenizer]:
     from nanoserve.model import load
 
-    return load(name)
+    return load(name, tensor_parallel_size=tensor_parallel_size)
 
 
 def cost_function(spec: CostSpec, base: Path | None = None) -> CostFn:

@@ -19,6 +19,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -81,6 +82,8 @@ class TensorParallelModel:
         self.channel = Channel(ctx, world_size)
         self.procs: list[Any] = []
         self._failed: str | None = None
+        self._closing = False
+        self._lost: str | None = None  # the ranks that had exited when the watch woke
         for rank in range(1, world_size):
             p = ctx.Process(target=worker_main, name=f"nanoserve-tp-rank{rank}", daemon=True,
                             args=(spec, self.group, rank, self.channel, os.getpid()))
@@ -102,6 +105,7 @@ class TensorParallelModel:
         self.device = self.model.device
         self.world_size = world_size
         self._last = torch.empty(0)
+        threading.Thread(target=self._watch, name="nanoserve-tp-watch", daemon=True).start()
 
     @property
     def pids(self) -> list[int]:
@@ -142,13 +146,11 @@ class TensorParallelModel:
         """Stop the workers (EXIT, then SIGTERM, then SIGKILL) and leave the group."""
         import torch.distributed as dist
 
+        self._closing = True
         self._finalizer()
         torch.set_num_threads(self._threads_before)
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except RuntimeError as exc:  # a group whose peers are gone
-                log.debug("destroy_process_group: %s", exc)
+        if dist.is_initialized() and self._failed is None:
+            dist.destroy_process_group()  # (a failed group's may block: the exit ends it)
 
     def _run(self, command: int, payload: list[int], local: Callable[[], T]) -> T:
         if self._failed is not None:
@@ -182,6 +184,29 @@ class TensorParallelModel:
         result: T = value
         return result
 
+    def _watch(self) -> None:
+        """When one worker exits unasked, kill the others: a survivor may sit in a collective
+        that waits for the dead rank (gloo reports a closed connection only to the ranks
+        that talk to it), and rank 0's own collective then fails at once, not at the
+        process group's timeout."""
+        from multiprocessing.connection import wait
+
+        ready = wait([p.sentinel for p in self.procs])
+        if self._closing:
+            return
+        for p in self.procs:
+            if p.sentinel in ready:
+                p.join(1.0)  # its pipe closes a moment before its exit status is there
+        self._lost = self._dead_ranks()
+        log.error("tensor parallel: %s; stopping the other ranks", self._lost)
+        for p in self.procs:
+            if p.exitcode is None:
+                p.kill()
+
+    def _dead_ranks(self) -> str:
+        return "; ".join(f"rank {r} (pid {p.pid}) exited with code {p.exitcode}"
+                         for r, p in enumerate(self.procs, start=1) if p.exitcode is not None)
+
     def _check_alive(self) -> None:
         for rank, p in enumerate(self.procs, start=1):
             if p.exitcode is not None:
@@ -189,10 +214,12 @@ class TensorParallelModel:
                                f"code {p.exitcode}")
 
     def _fail(self, exc: BaseException) -> None:
-        dead = [f"rank {r} (pid {p.pid}) exited with code {p.exitcode}"
-                for r, p in enumerate(self.procs, start=1) if p.exitcode is not None]
-        self._failed = ("tensor parallel group failed: " + "; ".join(dead) if dead
-                        else f"tensor parallel group failed: {exc}")
+        # A peer's broken connection can reach rank 0 before the OS has reported its exit:
+        # wait a moment for it, so that the error names the rank that died.
+        deadline = time.monotonic() + 1.0
+        while self._lost is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self._failed = f"tensor parallel group failed: {self._lost or exc}"
         log.error("%s", self._failed)
         if self._finalizer.detach() is not None:  # the survivors are stuck: no long grace
             _stop(self.channel, self.procs, grace_s=1.0)

@@ -137,7 +137,9 @@ def worker_main(spec: LoadSpec, group: GroupSpec, rank: int, channel: Channel,
                 all_digests(last, group.world_size)
             elif command != RESIZE:
                 raise ValueError(f"unknown command {command}")
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        log.debug("rank %d (pid %d) stopped", rank, os.getpid())
+    except RuntimeError as exc:  # a peer gone mid-collective: rank 0 reports the group
+        log.error("tensor-parallel rank %d stopped: %s", rank, str(exc).splitlines()[0])
+        # At once: leaving a group whose peers are gone can block, and a rank that lingers
+        # keeps the others' collectives waiting.
+        os._exit(1)
+    dist.destroy_process_group()
