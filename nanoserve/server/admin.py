@@ -1,9 +1,14 @@
-"""The endpoints around generation: health, models, metrics, tokenize and detokenize.
+"""The endpoints around generation: health, models, server info, metrics, tokenize and
+detokenize.
 
 `/health` is the one route without authentication (load balancers probe it without keys);
 it answers 503 while weights load, after a failed load, once a shutdown has begun, and when
 the bridge's loop has died, so a balancer stops sending traffic in each of those cases.
-`/tokenize` and `/detokenize` take vLLM's request and response shapes.
+`/tokenize` and `/detokenize` take vLLM's request and response shapes. `/server_info` is
+SGLang's route of that name cut to the one field its router (sglang-router 0.3, in front of
+replicas) reads when it registers a worker: `served_model_name`, the model it files the
+worker under (without the route it files it as "unknown", and lists that in its
+`/v1/models`).
 """
 
 from __future__ import annotations
@@ -37,6 +42,10 @@ def register(app: Quart) -> None:
         card = {"id": name, "object": "model", "created": int(st.now()), "owned_by": "nanoserve",
                 "root": st.config.model_root or name, "parent": None, "max_model_len": max_len}
         return json_response({"object": "list", "data": [card]})
+
+    @app.get("/server_info")
+    async def server_info() -> Response:
+        return json_response({"served_model_name": current_state().config.served_model_name})
 
     @app.get("/metrics")
     async def metrics() -> Response:

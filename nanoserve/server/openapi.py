@@ -118,6 +118,8 @@ def document(config: ServerConfig, *, vocab_size: int | None = None,
         "/v1/models": {"get": op("The served model", _ok(_obj(
             {"object": {"const": "list"}, "data": {"type": "array", "items": card}})), (),
             None)},
+        "/server_info": {"get": op("The served model's name (what SGLang's router reads)",
+                                   _ok(_obj({"served_model_name": _STR})), (), None)},
         "/metrics": {"get": op("Prometheus text exposition 0.0.4", _ok(_STR, media=
                                "text/plain"), (), None)},
         "/tokenize": {"post": op("Text or chat messages to token ids", _ok(tok_out), aux,
