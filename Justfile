@@ -11,8 +11,9 @@ setup:
 serve *args: setup
     {{py}} -m nanoserve.cli serve {{args}}
 
-# The whole test suite (it builds GuideLLM's interpreter first, for tests/test_guidellm.py).
-test *args: setup guidellm-setup
+# The whole test suite (it builds GuideLLM's and the router's interpreters first, for
+# tests/server/test_guidellm.py and tests/server/test_fleet.py).
+test *args: setup guidellm-setup router-setup
     {{py}} -m pytest -q -p no:cacheprovider {{args}}
 
 # ruff, mypy and the layering contracts (import-linter, pyproject.toml), all clean.
@@ -63,6 +64,19 @@ guidellm-setup: setup
     [ -x .venv/guidellm/bin/python ] || .venv/bin/python -m venv .venv/guidellm
     .venv/bin/python -c 'import site; print(site.getsitepackages()[0])' > "$(.venv/guidellm/bin/python -c 'import site; print(site.getsitepackages()[0])')/nanoserve-venv.pth"
     [ -x .venv/guidellm/bin/guidellm ] || .venv/guidellm/bin/python -m pip install -q --disable-pip-version-check guidellm==0.8.1
+
+# SGLang's router (sglang-router from PyPI, a Rust binary behind a Python launcher) in its own
+# interpreter: its FastAPI, aiohttp and uvicorn stay out of .venv. `just fleet` runs it.
+router-setup: setup
+    [ -x .venv/router/bin/python ] || .venv/bin/python -m venv .venv/router
+    .venv/router/bin/python -c 'import importlib.metadata as m, sys; sys.exit(m.version("sglang-router") != "0.3.2")' 2>/dev/null \
+      || .venv/router/bin/python -m pip install -q --disable-pip-version-check sglang-router==0.3.2
+
+# N `nanoserve serve` replicas behind sglang-router on one front URL, until Ctrl-C (flags:
+# --port, --policy cache_aware|round_robin|..., --log-dir; the rest go to every replica,
+# e.g. `just fleet 2 --model stub`). README: Scaling out.
+fleet n *args: setup router-setup
+    {{py}} -m sim.fleet {{n}} {{args}}
 
 # GuideLLM against `nanoserve serve` (SmolLM2) at 1 and 16 concurrent streams, 128-token
 # prompts and 64 output tokens: its TTFT, ITL and throughput (flags: --model, --streams, ...).
