@@ -61,6 +61,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--quantization", default="auto", choices=CHOICES,
                    help="auto: the GGUF's own blocks; none: float32 (see nanoserve serve)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="shard the weights over N processes (serve's flag) [1]")
     p.add_argument("--pack", choices=("auto", "on", "off"), default="auto",
                    help="pre-packed MKL weights (auto: wherever available)")
     p.add_argument("--profile", action="store_true",
@@ -116,7 +118,8 @@ def single_stream(model: Model, tok: Tokenizer, prompt: list[int], n: int) -> fl
 
 def _load(a: argparse.Namespace) -> tuple[Model, Tokenizer]:
     if a.pack == "auto" or a.model == "stub":
-        return load(a.model, device=a.device, dtype=a.dtype, quantization=a.quantization)
+        return load(a.model, device=a.device, dtype=a.dtype, quantization=a.quantization,
+                    tensor_parallel_size=a.tensor_parallel_size)
     from nanoserve.model.llama import LlamaModel
     from nanoserve.model.loader import resolve_model
 

@@ -75,7 +75,8 @@ class TensorParallelModel:
         from nanoserve.model.loader import peek_config
         from nanoserve.model.parallel.shard import check_tp_size
 
-        check_tp_size(peek_config(spec.name), world_size)
+        self.config = peek_config(spec.name)  # the whole model's shape; each rank's is less
+        check_tp_size(self.config, world_size)
         self.group = GroupSpec(world_size, pick_backend(backend, spec.device), free_port(),
                                max(cpu_count() // world_size, 1), exact, timeout_s)
         ctx = torch.multiprocessing.get_context("spawn")
@@ -101,7 +102,6 @@ class TensorParallelModel:
         except BaseException:
             self.close()
             raise
-        self.config = self.model.config
         self.device = self.model.device
         self.world_size = world_size
         self._last = torch.empty(0)
@@ -111,6 +111,10 @@ class TensorParallelModel:
     def pids(self) -> list[int]:
         """The worker processes' ids (ranks 1..N-1)."""
         return [p.pid for p in self.procs]
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights one rank reads per decode step (the ranks read theirs at once)."""
+        return self.model.weight_bytes()
 
     # ---- the Model protocol -------------------------------------------------------------
 
