@@ -83,7 +83,7 @@ class TensorParallelModel:
         self.channel = Channel(ctx, world_size)
         self.procs: list[Any] = []
         self._failed: str | None = None
-        self._closing = False
+        self._closing = threading.Event()  # set before any EXIT: the watch then stays quiet
         self._lost: str | None = None  # the ranks that had exited when the watch woke
         for rank in range(1, world_size):
             p = ctx.Process(target=worker_main, name=f"nanoserve-tp-rank{rank}", daemon=True,
@@ -93,7 +93,8 @@ class TensorParallelModel:
         log.info("tensor parallel: %d ranks over %s, %d threads each; rank pids %s",
                  world_size, self.group.backend, self.group.threads,
                  " ".join(str(p.pid) for p in self.procs))
-        self._finalizer = weakref.finalize(self, _stop, self.channel, list(self.procs))
+        self._finalizer = weakref.finalize(self, _stop, self.channel, list(self.procs),
+                                           self._closing)
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(self.group.threads)  # here: a thread count is per thread
         try:
@@ -150,7 +151,6 @@ class TensorParallelModel:
         """Stop the workers (EXIT, then SIGTERM, then SIGKILL) and leave the group."""
         import torch.distributed as dist
 
-        self._closing = True
         self._finalizer()
         torch.set_num_threads(self._threads_before)
         if dist.is_initialized() and self._failed is None:
@@ -196,7 +196,7 @@ class TensorParallelModel:
         from multiprocessing.connection import wait
 
         ready = wait([p.sentinel for p in self.procs])
-        if self._closing:
+        if self._closing.is_set():
             return
         for p in self.procs:
             if p.sentinel in ready:
@@ -226,11 +226,13 @@ class TensorParallelModel:
         self._failed = f"tensor parallel group failed: {self._lost or exc}"
         log.error("%s", self._failed)
         if self._finalizer.detach() is not None:  # the survivors are stuck: no long grace
-            _stop(self.channel, self.procs, grace_s=1.0)
+            _stop(self.channel, self.procs, self._closing, grace_s=1.0)
 
 
-def _stop(channel: Channel, procs: list[Any], grace_s: float = 5.0) -> None:
+def _stop(channel: Channel, procs: list[Any], closing: threading.Event,
+          grace_s: float = 5.0) -> None:
     """Every worker ended: asked first, then terminated, then killed."""
+    closing.set()
     if any(p.exitcode is None for p in procs):
         channel.post(EXIT, [])  # without waiting for acks: a stuck rank never gives one
     for p in procs:
