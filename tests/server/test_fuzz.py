@@ -148,7 +148,7 @@ def mutated(draw: st.DrawFn) -> tuple[str, str, bytes, dict[str, str]]:
 
 
 ROUTES = ["/v1/completions", "/v1/chat/completions", "/health", "/v1/models", "/metrics",
-          "/tokenize", "/detokenize", "/openapi.json"]
+          "/tokenize", "/detokenize", "/openapi.json", "/server_info"]
 odd_route = st.tuples(
     st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS", "TRACE"]),
     st.one_of(st.sampled_from(ROUTES), st.sampled_from(
