@@ -273,7 +273,8 @@ def test_other_weights_under_the_headers_name_check_invariants_only(
     from sim.replay.setup import _weights_sha256, resolve_weights
 
     # The session's model, not a second load of it; the digest comes from its folder.
-    monkeypatch.setattr(replay_setup, "_load", lambda name: (smollm2_model, smollm2_tokenizer))
+    monkeypatch.setattr(replay_setup, "_load",
+                        lambda name, tp=1: (smollm2_model, smollm2_tokenizer))
     header = load_trace(ROOT / "traces" / "too_long.jsonl").header
     sha = _weights_sha256("smollm2")
     assert sha is not None
