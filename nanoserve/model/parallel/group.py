@@ -100,7 +100,8 @@ class TensorParallelModel:
         try:
             self.model = self._while_alive(lambda: build_shard(spec, self.group, 0))
             self.channel.wait_acks(0, self._check_alive, timeout_s)
-        except BaseException:
+        except BaseException as exc:
+            self._failed = f"tensor parallel group failed to start: {exc}"  # no group to leave
             self.close()
             raise
         self.device = self.model.device
