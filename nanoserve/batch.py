@@ -46,7 +46,8 @@ def plain_greedy(p: SamplingParams) -> bool:
     (sampler._process leaves such a row untouched; see its stages)."""
     return (p.temperature == 0 and p.logprobs is None and p.prompt_logprobs is None
             and p.repetition_penalty == 1 and p.presence_penalty == 0
-            and p.frequency_penalty == 0 and not p.logit_bias and p.min_tokens == 0)
+            and p.frequency_penalty == 0 and not p.logit_bias and p.min_tokens == 0
+            and p.guided is None)
 
 
 @dataclass(frozen=True, slots=True)

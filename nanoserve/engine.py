@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from nanoserve.admission import Prepared, check_request, detokenizer_for
 from nanoserve.completions import share_prompt, siblings
 from nanoserve.config import EngineConfig
+from nanoserve.grammar import GrammarError, Grammars
 from nanoserve.kv import BlockPool, KVManager
 from nanoserve.model.base import Model, ModelLost
 from nanoserve.outputs import EngineStats, StepResult
@@ -44,7 +45,8 @@ class Engine:
         self.scheduler = make_scheduler(self.kv, max_num_seqs=config.max_num_seqs,
                                         max_num_batched_tokens=config.max_num_batched_tokens)
         self.eos_token_ids = tuple(model.config.eos_token_ids)
-        self.runner = ModelRunner(model, self.kv, bs, self.eos_token_ids)
+        self.grammars = Grammars(tokenizer, model.config.vocab_size)
+        self.runner = ModelRunner(model, self.kv, bs, self.eos_token_ids, self.grammars)
         self.requests: dict[str, Request] = {}  # live requests by their own id
         self._groups: dict[str, list[Request]] = {}  # caller's id -> its live completions
         self._group_params: dict[str, SamplingParams] = {}
@@ -68,6 +70,11 @@ class Engine:
         """Tokenize and validate, changing nothing: any task may call this while a step runs,
         so every error that is knowable before the first token surfaces before admission."""
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if params.guided is not None:  # compiled here, off the step (and cached)
+            try:
+                self.grammars.check(params.guided)
+            except GrammarError as exc:
+                raise ParamError(exc.field, str(exc)) from None
         return check_request(prompt_ids, params, vocab_size=self.model.config.vocab_size,
                              max_model_len=self.max_model_len,
                              pool_tokens=self.pool.num_blocks * self.pool.block_size)
@@ -215,7 +222,15 @@ class Engine:
                 self._failed += 1
                 return self._finish(req, FinishReason.ERROR, (token,),
                                     error=f"detokenizer: {exc!r}")
+        if req.grammar is not None and not req.grammar.consume_token(token):
+            # Only a token the mask did not govern can break the constraint: fail this one.
+            self._failed += 1
+            return self._finish(req, FinishReason.ERROR, (token,),
+                                error=f"token {token} breaks the request's constraint")
         stop = check_stop(req, token, matched, self.eos_token_ids)
+        if stop is None and req.grammar is not None and req.grammar.is_stopped():
+            # Complete, and nothing more is allowed (so even under ignore_eos): stop here.
+            stop = (FinishReason.STOP, None)
         if stop is not None:
             return self._finish(req, stop[0], (token,), stop_reason=stop[1])
         return token_update(req, token, "" if detok is None else detok.pop_delta())

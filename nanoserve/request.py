@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from nanoserve.detokenizer import IncrementalDetokenizer
@@ -59,6 +59,8 @@ class Request:
     # With params.prompt_logprobs: one entry per prompt token computed so far, None for the
     # first (nothing precedes it). Kept across preemption, so a recompute adds none twice.
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    # params.guided's matcher (nanoserve/grammar.py), made when the request first samples
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve.batch import StepBatch, Work, advance, build_batch, plain_greedy, score_prompt
+from nanoserve.grammar import Grammars
 from nanoserve.kv import KVManager
 from nanoserve.model.base import Model
 from nanoserve.request import Request
@@ -41,11 +42,12 @@ class Ran:
 
 class ModelRunner:
     def __init__(self, model: Model, kv: KVManager, block_size: int,
-                 eos_token_ids: tuple[int, ...]) -> None:
+                 eos_token_ids: tuple[int, ...], grammars: Grammars) -> None:
         self.model = model
         self.kv = kv
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids
+        self.grammars = grammars
 
     def run(self, schedule: Schedule, group_params: Mapping[str, SamplingParams],
             fork_rows: ForkRows) -> Ran:
@@ -66,9 +68,23 @@ class ModelRunner:
         return Ran(work, reqs, drawn.token_ids, drawn.logprobs)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> SampleOutput:
-        rows = [SamplingRow(r.params, r.seed, r.num_output, r.prompt_ids, r.output_ids)
-                for r in reqs]
+        rows = [SamplingRow(r.params, r.seed, r.num_output, r.prompt_ids, r.output_ids,
+                            self._mask(r)) for r in reqs]
         return sample(logits, rows, self.eos_token_ids)
+
+    def _mask(self, r: Request) -> bytes | None:
+        """A constrained request's allowed tokens for its next draw. Its matcher is made at
+        its first draw (an n > 1 sibling's too) from its output so far: none, or, should a
+        request ever lose it, every token it has, replayed."""
+        spec = r.params.guided
+        if spec is None:
+            return None
+        if r.grammar is None:
+            r.grammar = self.grammars.matcher(spec)
+            if r.output_ids and not r.grammar.consume_tokens(list(r.output_ids)):
+                raise RuntimeError(f"{r.request_id}: its output does not fit its constraint")
+        mask: bytes = r.grammar.compute_bitmask()
+        return mask
 
     def _pick_directly(self, b: StepBatch) -> list[int] | None:
         """The model's own greedy picks (one per logits row), when it offers them and every

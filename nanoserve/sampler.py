@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoserve.grammar import apply_bitmasks
 from nanoserve.logits import (
     apply_logit_bias,
     apply_min_p,
@@ -47,6 +48,8 @@ class SamplingRow:
     token_index: int  # index in this request's output of the token being drawn (0 = first)
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
+    # A constrained row's allowed tokens (nanoserve/grammar.py's bitmask); None: free.
+    mask: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,11 +101,15 @@ def _process(logits: torch.Tensor, rows: Sequence[SamplingRow], eos: Sequence[in
     pen = [
         p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0 for p in ps
     ]
+    # min_tokens bans the end on free rows only: a constraint decides where it may end, and
+    # a ban on top of a grammar that allows only EOS would leave a row with nothing.
     banned = [
-        [*p.stop_token_ids, *(() if p.ignore_eos else eos)] if r.token_index < p.min_tokens else []
+        [*p.stop_token_ids, *(() if p.ignore_eos else eos)]
+        if r.token_index < p.min_tokens and r.mask is None else []
         for r, p in zip(rows, ps, strict=True)
     ]
-    if not any(pen) and not any(p.logit_bias for p in ps) and not any(banned):
+    masked = [i for i, r in enumerate(rows) if r.mask is not None]
+    if not any(pen) and not any(p.logit_bias for p in ps) and not any(banned) and not masked:
         return logits
     x = logits.to(torch.float32, copy=True)  # [R, V]; never write to the model's tensor
     if any(pen):
@@ -119,6 +126,8 @@ def _process(logits: torch.Tensor, rows: Sequence[SamplingRow], eos: Sequence[in
         x = apply_logit_bias(x, [p.logit_bias for p in ps])
     if any(banned):
         x = suppress_tokens(x, banned)
+    if masked:
+        x = apply_bitmasks(x, masked, [m for r in rows if (m := r.mask) is not None])
     return x
 
 

@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from nanoserve.grammar import GuidedSpec
+
 MAX_N = 128
 MAX_LOGPROBS = 20  # the OpenAI API's cap on top alternatives per token
 MAX_STOP_STRINGS = 4  # the OpenAI API's cap
@@ -99,6 +101,8 @@ class SamplingParams:
     # vLLM's detokenize: False leaves the text empty and skips the incremental detokenizer,
     # which is a fifth of a simulated token's cost in a capacity sweep that never reads text.
     detokenize: bool = True
+    # Structured outputs (nanoserve/grammar.py): the constraint every token must keep to.
+    guided: GuidedSpec | None = None
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n, 1, MAX_N, f"in [1, {MAX_N}]")
@@ -143,6 +147,8 @@ class SamplingParams:
             self.logprobs = _int(
                 "logprobs", self.logprobs, 0, MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}] (or null)"
             )
+        if self.guided is not None and not isinstance(self.guided, GuidedSpec):
+            raise ParamError("guided", "guided must be a GuidedSpec (nanoserve.grammar)")
         if self.prompt_logprobs is not None:
             self.prompt_logprobs = _int(
                 "prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS,

@@ -83,6 +83,11 @@ class Tokenizer:
             special_tokens=specials,
         )
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what a grammar engine builds its vocabulary
+        view from)."""
+        return str(self._tok.to_str())
+
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
