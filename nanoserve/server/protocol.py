@@ -88,9 +88,33 @@ class Message(BaseModel):
         return {**self.model_dump(), "content": content or ""}
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`: the schema the output must validate against
+    (`strict` is accepted and always honoured: the output is constrained either way)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    name: Annotated[StrictStr, Field(min_length=1, max_length=64)]
+    description: StrictStr | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
-    type: Literal["text"]  # the default behaviour, spelled out; anything else is a 400
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Annotated[JsonSchemaFormat | None, schema(
+        description="required with type json_schema")] = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: one of json, regex, choice or grammar."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    json_: dict[str, Any] | StrictStr | None = Field(default=None, alias="json")
+    regex: Annotated[StrictStr | None, Field(min_length=1)] = None
+    choice: Annotated[list[Annotated[StrictStr, Field(min_length=1)]] | None,
+                      Field(min_length=1)] = None
+    grammar: Annotated[StrictStr | None, Field(min_length=1)] = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +187,14 @@ def protocol(served: str, vocab: int | None = None, max_len: int | None = None) 
         function_call: Refused = None
         suffix: Refused = None
         prompt_logprobs: Refused = None
+        # Structured outputs (nanoserve/grammar.py): at most one of these per request.
+        response_format: ResponseFormat | None = None
+        guided_json: dict[str, Any] | StrictStr | None = None
+        guided_regex: Annotated[StrictStr | None, Field(min_length=1)] = None
+        guided_choice: Annotated[list[Annotated[StrictStr, Field(min_length=1)]] | None,
+                                 Field(min_length=1)] = None
+        guided_grammar: Annotated[StrictStr | None, Field(min_length=1)] = None
+        structured_outputs: StructuredOutputs | None = None
 
     class Completion(Sampling):
         """A completion; each prompt string is tokenized and must be non-empty."""
@@ -185,7 +217,6 @@ def protocol(served: str, vocab: int | None = None, max_len: int | None = None) 
         logprobs: StrictBool | None = None
         top_logprobs: Annotated[StrictInt | None, schema(
             minimum=0, maximum=MAX_LOGPROBS, description="needs logprobs: true")] = None
-        response_format: ResponseFormat | None = None
 
     class Tokenize(_Body):
         """prompt, or messages (which win)."""
