@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Annotated, Any
 
 import openai
 import pytest
@@ -27,6 +27,9 @@ from nanoserve.serving.clock import GateClock
 from nanoserve.tokenizer import Tokenizer
 
 PROMPT = "def step(self):"
+PERSON_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0}},
+    "required": ["name", "age"], "additionalProperties": False}
 
 
 def client(url: str) -> openai.OpenAI:
@@ -113,6 +116,11 @@ COMPLETION_CASES = [
     pytest.param({"prompt": PROMPT, "max_tokens": 6, "seed": 2,
                   "extra_body": {"top_k": 3, "min_p": 0.01, "repetition_penalty": 1.1,
                                  "ignore_eos": True}}, id="vllm-extras"),
+    pytest.param({"prompt": PROMPT, "max_tokens": 30, "seed": 4, "temperature": 0.8,
+                  "extra_body": {"guided_json": PERSON_SCHEMA}}, id="guided-json"),
+    pytest.param({"prompt": PROMPT, "max_tokens": 6, "seed": 8, "n": 3,
+                  "extra_body": {"guided_choice": ["red", "green", "blue"]}},
+                 id="guided-choice"),
 ]
 
 
@@ -166,6 +174,12 @@ CHAT_CASES = [
     pytest.param({"max_completion_tokens": 8, "seed": 4, "logprobs": True, "top_logprobs": 2},
                  id="logprobs"),
     pytest.param({"max_tokens": 5, "seed": 9, "n": 2}, id="n=2"),
+    pytest.param({"max_tokens": 40, "seed": 5, "temperature": 0.9, "n": 2,
+                  "response_format": {"type": "json_schema", "json_schema": {
+                      "name": "reply", "strict": True, "schema": PERSON_SCHEMA}}},
+                 id="json-schema"),
+    pytest.param({"max_tokens": 12, "seed": 6, "extra_body": {
+        "guided_regex": "[a-z]{2}-[0-9]{3}"}}, id="guided-regex"),
 ]
 
 
@@ -202,6 +216,28 @@ async def check_chat(cl: openai.OpenAI, tok: Tokenizer, model: str, **kw: Any) -
         assert all(len(e["top_logprobs"]) == 2 for e in entries)
         assert all(bytes(e["bytes"]).decode("utf-8", "backslashreplace") == e["token"]
                    for e in entries)
+
+
+async def test_the_openai_clients_parse_with_a_pydantic_model(
+    stub_server: tuple[openai.OpenAI, Tokenizer],
+) -> None:
+    """`client.beta.chat.completions.parse(response_format=Model)`: the client turns the
+    model into a strict json_schema, and the constrained reply parses into it."""
+    from pydantic import BaseModel, Field
+
+    class Person(BaseModel):  # bounded: the stub's noise would otherwise run to max_tokens
+        name: str = Field(max_length=16)
+        age: int
+        tags: list[Annotated[str, Field(max_length=8)]] = Field(max_length=3)
+
+    cl, _ = stub_server
+    for seed in range(3):
+        r = await in_thread(lambda seed=seed: cl.beta.chat.completions.parse(
+            model="stub", messages=[{"role": "user", "content": "A person."}],
+            response_format=Person, max_tokens=400, seed=seed, temperature=0.8))
+        parsed = r.choices[0].message.parsed
+        assert isinstance(parsed, Person)
+        assert Person.model_validate_json(r.choices[0].message.content or "") == parsed
 
 
 async def test_error_reaches_the_openai_client(
