@@ -160,6 +160,12 @@ def test_smollm2_200_requests_over_10_schemas_validate(smollm2_quantized: Any,
         f"Reply with a JSON object for this schema: {json.dumps(s)}")}],
         add_generation_prompt=True) for s in SCHEMAS]
     ids = [engine.add_request(prompts[i % 10], _params(i, max_tokens=80)) for i in range(200)]
+    regex = [engine.add_request("A ticket id:", SamplingParams(
+        temperature=0.8, seed=s, max_tokens=16,
+        guided=GuidedSpec("regex", r"[A-Z]{3}-[0-9]{4}", "guided_regex"))) for s in range(20)]
+    choice = [engine.add_request("Is the sky blue? Answer:", SamplingParams(
+        temperature=0.8, seed=s, max_tokens=8,
+        guided=GuidedSpec.choice(["yes", "no", "not sure"]))) for s in range(20)]
     free = SamplingParams(temperature=0.8, seed=99, max_tokens=24)
     free_id = engine.add_request(prompts[0], free)
     results = drain(engine)
@@ -170,6 +176,8 @@ def test_smollm2_200_requests_over_10_schemas_validate(smollm2_quantized: Any,
         if finals[rid].finish_reason == "stop":
             _check(tok.decode(got[rid]), SCHEMAS[i % 10])
             stopped += 1
+    assert all(re.fullmatch(r"[A-Z]{3}-[0-9]{4}", tok.decode(got[r])) for r in regex)
+    assert all(tok.decode(got[r]) in ("yes", "no", "not sure") for r in choice)
     alone = Engine(smollm2_quantized, tok, EngineConfig(max_model_len=1024, num_blocks=512))
     rid = alone.add_request(prompts[0], free)
     assert tokens(drain(alone))[rid] == got[free_id]
