@@ -148,7 +148,8 @@ class SamplingParams:
                 "logprobs", self.logprobs, 0, MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}] (or null)"
             )
         if self.guided is not None and not isinstance(self.guided, GuidedSpec):
-            raise ParamError("guided", "guided must be a GuidedSpec (nanoserve.grammar)")
+            raise ParamError("guided", f"guided must be a GuidedSpec (nanoserve.grammar), got "
+                             f"{self.guided!r:.80}")
         if self.prompt_logprobs is not None:
             self.prompt_logprobs = _int(
                 "prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS,

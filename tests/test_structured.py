@@ -80,6 +80,17 @@ def _stub_engine(tok: Any, **cfg: Any) -> Engine:
     return Engine(StubModel(tok), tok, EngineConfig(**cfg))
 
 
+def _regex_and_choice(engine: Engine, prompt: str, pattern: str, options: list[str],
+                      n: int) -> tuple[list[str], list[str]]:
+    """n requests under `pattern` and n choosing among `options`, seeds 0..n-1."""
+    def add(spec: GuidedSpec, s: int) -> str:
+        return engine.add_request(prompt, SamplingParams(temperature=0.8, seed=s,
+                                                         max_tokens=16, guided=spec))
+
+    return ([add(GuidedSpec("regex", pattern, "guided_regex"), s) for s in range(n)],
+            [add(GuidedSpec.choice(options), s) for s in range(n)])
+
+
 def _check(text: str, schema: dict[str, Any]) -> None:
     jsonschema.validate(json.loads(text), schema)
 
@@ -107,12 +118,8 @@ def test_stub_completions_that_stop_validate_and_free_neighbours_keep_their_toke
 
 def test_regex_and_choice_on_the_stub(tok: Any) -> None:
     engine = _stub_engine(tok)
-    regex = [engine.add_request("x", SamplingParams(
-        temperature=0.8, seed=s, max_tokens=12,
-        guided=GuidedSpec("regex", r"[0-9]{3}-[a-z]{2}", "guided_regex"))) for s in range(8)]
-    choice = [engine.add_request("x", SamplingParams(
-        temperature=0.8, seed=s, max_tokens=12,
-        guided=GuidedSpec.choice(["yes", "no", "maybe"]))) for s in range(8)]
+    regex, choice = _regex_and_choice(engine, "x", r"[0-9]{3}-[a-z]{2}",
+                                      ["yes", "no", "maybe"], 8)
     got = tokens(drain(engine))
     assert all(re.fullmatch(r"[0-9]{3}-[a-z]{2}", tok.decode(got[r])) for r in regex)
     assert {tok.decode(got[r]) for r in choice} <= {"yes", "no", "maybe"}
@@ -160,12 +167,8 @@ def test_smollm2_200_requests_over_10_schemas_validate(smollm2_quantized: Any,
         f"Reply with a JSON object for this schema: {json.dumps(s)}")}],
         add_generation_prompt=True) for s in SCHEMAS]
     ids = [engine.add_request(prompts[i % 10], _params(i, max_tokens=80)) for i in range(200)]
-    regex = [engine.add_request("A ticket id:", SamplingParams(
-        temperature=0.8, seed=s, max_tokens=16,
-        guided=GuidedSpec("regex", r"[A-Z]{3}-[0-9]{4}", "guided_regex"))) for s in range(20)]
-    choice = [engine.add_request("Is the sky blue? Answer:", SamplingParams(
-        temperature=0.8, seed=s, max_tokens=8,
-        guided=GuidedSpec.choice(["yes", "no", "not sure"]))) for s in range(20)]
+    regex, choice = _regex_and_choice(engine, "A ticket id:", r"[A-Z]{3}-[0-9]{4}",
+                                      ["yes", "no", "not sure"], 20)
     free = SamplingParams(temperature=0.8, seed=99, max_tokens=24)
     free_id = engine.add_request(prompts[0], free)
     results = drain(engine)

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import random
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from nanoserve.config import EngineConfig
-from nanoserve.sampling import SamplingParams
 from nanoserve.tokenizer import Tokenizer
 from sim.capacity.cli import plan_capacity
 from sim.capacity.cost import CostModel
@@ -21,8 +19,9 @@ from sim.capacity.plan import Plan, Planner
 from sim.capacity.report import dumps_report
 from sim.cli import main
 from sim.load.spec import parse_load_spec
-from sim.load.workload import SimRequest, Workload, spec_workload
+from sim.load.workload import Workload, spec_workload
 from sim.stats import percentile_or_none
+from tests.tenants import tenants
 
 COST = CostModel((0.01, 1e-4, 5e-4, 2e-3, 2e-6, 1e-8, 0.0, 0.0), name="synthetic-test",
                  model="stub", machine={"cpu": "test"}, kv_bytes_per_token=46080)
@@ -124,14 +123,7 @@ def test_prefix_affinity_raises_the_prefix_hit_rate(tok: Tokenizer) -> None:
     # Eight tenants, each with its own 128-token system prompt (8 blocks). A replica's pool
     # of 48 blocks cannot keep all eight prompts cached beside the running requests, but it
     # can keep the two that prefix affinity sends it.
-    rng = random.Random(5)
-    prefixes = [tuple(rng.randrange(1000, 49152) for _ in range(128)) for _ in range(8)]
-    reqs = []
-    for i in range(240):
-        own = tuple(rng.randrange(1000, 49152) for _ in range(rng.randint(8, 48)))
-        params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=rng.randint(4, 16))
-        reqs.append(SimRequest(f"r{i}", i / 12, prefixes[rng.randrange(8)] + own, params))
-    load = Workload(tuple(reqs), 12.0, "eight tenants")
+    load = tenants(5)
     engine = dataclasses.replace(ENGINE, num_blocks=48, max_model_len=768)
 
     def hit_rate(router: str) -> float:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,8 @@ from sim.capacity.fleet import simulate
 from sim.capacity.plan import Plan, Planner
 from sim.capacity.routers import CacheAwareConfig, PrefixTree, Router
 from sim.cli import main
-from sim.load.workload import SimRequest, Workload
+from sim.load.workload import SimRequest
+from tests.tenants import tenants
 
 COST = CostModel((0.01, 1e-4, 5e-4, 2e-3, 2e-6, 1e-8, 0.0, 0.0), name="synthetic-test",
                  model="stub", machine={"cpu": "test"}, kv_bytes_per_token=46080)
@@ -121,16 +121,6 @@ def test_simulated_fleet_places_a_burst_by_prefix_until_imbalanced(tok: Tokenize
     assert all(r.status == "ok" for r in res.records)
 
 
-def _tenants(seed: int) -> Workload:
-    # Eight tenants with their own 128-token system prompts (tests/sim/test_capacity.py).
-    rng = random.Random(seed)
-    prefixes = [tuple(rng.randrange(1000, 49152) for _ in range(128)) for _ in range(8)]
-    reqs = []
-    for i in range(240):
-        own = tuple(rng.randrange(1000, 49152) for _ in range(rng.randint(8, 48)))
-        params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=rng.randint(4, 16))
-        reqs.append(SimRequest(f"r{i}", i / 12, prefixes[rng.randrange(8)] + own, params))
-    return Workload(tuple(reqs), 12.0, "eight tenants")
 
 
 def test_cache_aware_raises_the_prefix_hit_rate(tok: Tokenizer) -> None:
@@ -138,7 +128,7 @@ def test_cache_aware_raises_the_prefix_hit_rate(tok: Tokenizer) -> None:
 
     def hit_rate(router: str) -> float:
         plan = Plan(engine, replicas=4, router=router, warmup=0.0)
-        (summary,), _ = Planner([_tenants(5)], COST, plan, tok).run(None, 48, 16)
+        (summary,), _ = Planner([tenants(5)], COST, plan, tok).run(None, 48, 16)
         assert summary["status"]["ok"] == 240
         return float(summary["prefix_hit_rate"])
 
