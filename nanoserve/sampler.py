@@ -1,8 +1,9 @@
 """The batched sampler: logits [R, V] in, one token per row out, as small pure tensor stages.
 
 The stages run in a fixed order, each vectorised over rows whose parameters differ (every
-parameter becomes a per-row tensor [R]): penalties, logit bias, min_tokens suppression, then
-greedy rows take their argmax here, and the rest go through temperature, top-k, top-p,
+parameter becomes a per-row tensor [R]): penalties, logit bias, min_tokens suppression, a
+constrained row's grammar mask (nanoserve/grammar.py: the tokens it does not allow go to
+-inf), then greedy rows take their argmax here, and the rest go through temperature, top-k, top-p,
 min-p and the draw. A stage no row uses is skipped, so an all-greedy batch with no penalties
 is one argmax. A row with the neutral value of a stage (repetition 1, top_p 1, min_p 0, ...)
 comes out of it bit-for-bit unchanged, so skipping or running a stage never changes a row.
