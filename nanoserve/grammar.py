@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import json
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,7 +93,6 @@ class Grammars:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self._lock = threading.Lock()  # prepare() runs on any task's thread
 
     @functools.cached_property
     def _lltok(self) -> Any:
@@ -105,16 +103,15 @@ class Grammars:
                            eos_token=list(self._tokenizer.eos_token_ids))
 
     def check(self, spec: GuidedSpec) -> None:
-        """Compile (or find compiled) `spec`; GrammarError if it does not compile."""
-        self._pristine(spec)
+        """Compile (or find compiled) `spec`; GrammarError if it does not compile. The
+        serving task calls this (Engine.prepare) while a step may run in its thread; no lock
+        is held while compiling, so the step's `matcher` calls never wait on a compile (two
+        threads may compile one spec at once, and one result is kept: harmless)."""
+        self._compile(spec)
 
     def matcher(self, spec: GuidedSpec) -> Any:
         """A fresh matcher at the start of `spec` (llguidance's LLMatcher)."""
-        return self._pristine(spec).deep_copy()
-
-    def _pristine(self, spec: GuidedSpec) -> Any:
-        with self._lock:
-            return self._compile(spec)
+        return self._compile(spec).deep_copy()
 
     @functools.lru_cache(maxsize=256)  # noqa: B019 (one Grammars per engine, kept for its life)
     def _compile(self, spec: GuidedSpec) -> Any:
