@@ -38,6 +38,7 @@ def emulate(config: ModelConfig, weights: Mapping[str, Any], world_size: int,
     group = ThreadGroup(world_size)
     models = shard_models(config, weights, world_size, group, **model_kwargs)
     hidden: list[list[torch.Tensor]] = [[] for _ in batches]
+    out: list[dict[int, torch.Tensor]] = [{} for _ in range(world_size)]  # ranks 1..N-1
     errors: list[BaseException] = []
 
     def run(rank: int) -> None:
@@ -55,7 +56,6 @@ def emulate(config: ModelConfig, weights: Mapping[str, Any], world_size: int,
             errors.append(exc)
             group.abort()
 
-    out: list[dict[int, torch.Tensor]] = [{} for _ in range(world_size)]
     ranks = [threading.Thread(target=run, args=(r,)) for r in range(world_size)]
     for t in ranks:
         t.start()
