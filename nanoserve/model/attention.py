@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.model.base import ForwardBatch
+from nanoserve.model.native import Kernels
 
 # Head sizes the native kernel is compiled for (model/csrc/attention.cpp).
 NATIVE_HEAD_DIMS = (16, 32, 64, 128)
@@ -148,6 +149,7 @@ def attend(
     k_cache: torch.Tensor,  # [slots, KV, D]
     v_cache: torch.Tensor,  # [slots, KV, D]
     plan: AttentionPlan,
+    kernels: Kernels | None = None,  # native decode attention's; needed when plan.native
 ) -> torch.Tensor:  # [T, H, D]
     t, nh, d = q.shape
     nkv = k.shape[1]
@@ -156,7 +158,8 @@ def attend(
     out = torch.empty_like(q)
     if plan.native is not None:
         n = plan.native
-        torch.ops.nanoserve.paged_decode_attention(
+        assert kernels is not None, "a plan with native decode rows needs the kernels"
+        kernels.ops.paged_decode_attention(
             q, k_cache, v_cache, n.rows, n.block_tables, n.context_lens, bs, d**-0.5, out)
     # The cache seen as whole blocks: gathering a block is one contiguous copy of
     # bs * KV * D values, where gathering slot by slot copied 768-byte rows one at a time.

@@ -71,6 +71,7 @@ class LlamaModel:
         dtype: torch.dtype = torch.float32,
         pack_weights: bool | None = None,
         reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        isa: str | None = None,
     ) -> None:
         self.config = config
         # Tensor parallelism (model/parallel/): the sum over the ranks of a row-parallel
@@ -84,9 +85,11 @@ class LlamaModel:
         self.pack_weights = pack_weights
         self.decode_group_bytes = DECODE_GROUP_BYTES
         # nanoserve's own CPU kernels where they apply (model/native.py): fused elementwise
-        # layer parts, and decode attention for the head sizes it is compiled for.
-        self.native_layers = (self.device.type == "cpu" and dtype == torch.float32
-                              and native.available())
+        # layer parts, and decode attention for the head sizes it is compiled for; built for
+        # the instruction set `isa` (default: NANOSERVE_ISA, else the CPU's best).
+        self.kernels = (native.kernels(isa) if self.device.type == "cpu"
+                        and dtype == torch.float32 else None)
+        self.native_layers = self.kernels is not None
         self.native_attention = self.native_layers and config.head_dim in NATIVE_HEAD_DIMS
 
         # Quantized weights (model/quant.py) run on nanoserve's kernels: float32 on the CPU.
@@ -94,7 +97,7 @@ class LlamaModel:
 
         def w(name: str) -> torch.Tensor:
             t = weights[name]
-            t = t.dequantize() if isinstance(t, QuantWeight) else t
+            t = t.dequantize(self.kernels) if isinstance(t, QuantWeight) else t
             return t.to(device=self.device, dtype=dtype)
 
         scratch = Scratch()  # what large batches dequantize a weight into, shared
@@ -105,8 +108,10 @@ class LlamaModel:
             if self.quantized and all(isinstance(q, QuantWeight) for q in parts) and len(
                     {q.format for q in parts if isinstance(q, QuantWeight)}) == 1:
                 return QuantProj(QuantWeight.cat([q for q in parts
-                                                  if isinstance(q, QuantWeight)]), scratch)
-            dense = [q.dequantize() if isinstance(q, QuantWeight) else q for q in parts]
+                                                  if isinstance(q, QuantWeight)]), scratch,
+                                 self.kernels)
+            dense = [q.dequantize(self.kernels) if isinstance(q, QuantWeight) else q
+                     for q in parts]
             return Proj(torch.cat(dense).to(device=self.device, dtype=dtype), pack=pack_weights)
 
         embed = weights["model.embed_tokens.weight"]
@@ -250,7 +255,7 @@ class LlamaModel:
         """Run every layer; the final-normed hidden states [R, hidden] at the logits rows
         (what the LM head takes; tensor-parallel ranks other than 0 stop here)."""
         cache = self._cache()
-        nat = self.native_layers
+        nat = self.kernels if self.native_layers else None
         reduce = self.reduce or (lambda t: t)
         with torch.inference_mode():
             plan = self._plan(batch)
@@ -280,7 +285,8 @@ class LlamaModel:
         output (x, the residual, is updated in place as the layer loop updates it)."""
         c, n = self.config, plan.attention.native
         assert n is not None
-        m: torch.Tensor = torch.ops.nanoserve.decode_stack(
+        assert self.kernels is not None
+        m: torch.Tensor = self.kernels.ops.decode_stack(
             x, *self._stack_weights, self._cache(), plan.cos, plan.sin, plan.positions,
             plan.slot_mapping, n.rows, n.block_tables, n.context_lens, self.block_size,
             c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim**-0.5, c.rms_norm_eps)
@@ -288,7 +294,7 @@ class LlamaModel:
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed_q is not None:
-            return self.embed_q.take_rows(ids)
+            return self.embed_q.take_rows(ids, self.kernels)
         assert self.embed is not None
         return F.embedding(ids, self.embed)
 
@@ -303,6 +309,7 @@ class LlamaModel:
         c = self.config
         shape = (c.num_heads, c.num_kv_heads, c.head_dim)
         q, k, v = ops.rope_store(layer.qkv(h), shape, plan.cos, plan.sin, plan.positions,
-                                 plan.slot_mapping, k_cache, v_cache, native=self.native_layers)
-        out = attend(q, k, v, k_cache, v_cache, plan.attention)  # [T, H, D]
+                                 plan.slot_mapping, k_cache, v_cache,
+                                 native=self.kernels if self.native_layers else None)
+        out = attend(q, k, v, k_cache, v_cache, plan.attention, self.kernels)  # [T, H, D]
         return layer.o(out.view(h.shape[0], -1))  # [T, hidden]

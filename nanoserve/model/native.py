@@ -1,17 +1,30 @@
-"""nanoserve's own CPU kernels (model/csrc/*.cpp), compiled on this machine on first use.
+"""nanoserve's own CPU kernels (model/csrc/*.cpp), compiled on this machine on first use,
+once per instruction set, and the run-time choice of which one runs.
 
-The source is built with the system's C++ compiler against the installed torch's headers
-into a shared library that registers `torch.ops.nanoserve.*`, cached beside the converted
-model (`$NANOSERVE_CACHE`, else ~/.cache/nanoserve) under a digest of the source, the
-compiler command, the torch version and the CPU's instruction-set flags, so a change to any
-of them builds anew and a stale library is never loaded: `-march=native` code is only ever
-loaded on the kind of CPU that built it, even from a cache shared between machines. Each
-load touches its library; a new build removes those no process has loaded for 30 days.
+The sources build into one shared library per instruction set, each registering its ops
+under its own name so that several can be loaded in one process (the tests run each):
+
+    avx512   AVX-512 F/BW/DQ/VL, FMA, F16C     torch.ops.nanoserve_avx512
+    avx2     AVX2, FMA, F16C                   torch.ops.nanoserve_avx2
+    generic  the compiler's baseline           torch.ops.nanoserve_generic
+
+`isa()` picks the best one the CPU has (from /proc/cpuinfo's flags), or the one
+NANOSERVE_ISA names (`avx2`, `avx512` or `generic`, for tests and benchmarks; one the CPU
+cannot run is refused, never loaded). The flags each build is compiled with are exactly the
+flags it is chosen by, never -march=native, so a cached library runs on every CPU that has
+them: one cache, shared between an AVX-512 and an AVX2 machine, serves both at full speed.
+
+Each library is built with the system's C++ compiler against the installed torch's headers,
+cached beside the converted model (`$NANOSERVE_CACHE`, else ~/.cache/nanoserve) under a
+digest of the sources, the compiler command and the torch version, so a change to any of
+them builds anew and a stale library is never loaded. Each load touches its library; a new
+build removes those no process has loaded for 30 days. Symbols are hidden, so that two
+builds' inline functions never stand in for each other.
 
 No ninja and no pybind11 (what torch.utils.cpp_extension's JIT needs): one compiler
-command, about 20 s on 2 cores, once. Without a compiler, or with NANOSERVE_NATIVE=0, the
-model runs its stock-PyTorch path, which gives the same tokens more slowly; the reason is
-logged once.
+command, about 20 s on 2 cores, once per instruction set. Without a compiler, or with
+NANOSERVE_NATIVE=0, the model runs its stock-PyTorch path, which gives the same tokens more
+slowly; the reason is logged once.
 """
 
 from __future__ import annotations
@@ -21,11 +34,14 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -39,13 +55,84 @@ _SOURCES = (_CSRC / "attention.cpp", _CSRC / "layers.cpp", _CSRC / "quant.cpp",
 _HEADERS = (_CSRC / "vec.h", _CSRC / "kernels.h")
 STALE_AFTER_S = 30 * 86400
 
+# Best first. The compiler flags of each build, and the /proc/cpuinfo flags a CPU needs to
+# run it: the same instructions.
+ISAS = ("avx512", "avx2", "generic")
+_COMPILE = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx2", "-mfma",
+               "-mf16c"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "generic": [],
+}
+_NEEDS = {
+    "avx512": frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma",
+                         "f16c"}),
+    "avx2": frozenset({"avx2", "fma", "f16c"}),
+    "generic": frozenset(),
+}
 
-def _command(sources: tuple[Path, ...], output: Path, compiler: str) -> list[str]:
+
+@dataclass(frozen=True, slots=True)
+class Kernels:
+    """One instruction set's loaded kernels: `ops.quant_linear(...)` and the rest."""
+
+    isa: str
+    ops: Any  # torch.ops.nanoserve_<isa>
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's instruction-set flags (Linux's /proc/cpuinfo), or none where it does not
+    tell."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            line = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())
+
+
+def _x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def supported(flags: frozenset[str] | None = None, *, x86: bool | None = None
+              ) -> tuple[str, ...]:
+    """The instruction sets a CPU with `flags` runs, best first (generic always)."""
+    if not (_x86() if x86 is None else x86):
+        return ("generic",)
+    have = cpu_flags() if flags is None else flags
+    return tuple(isa for isa in ISAS if _NEEDS[isa] <= have)
+
+
+def pick_isa(requested: str | None, flags: frozenset[str] | None = None, *,
+             x86: bool | None = None) -> str:
+    """`requested` (NANOSERVE_ISA's value) if the CPU runs it, else the best it runs.
+    Raises ValueError naming NANOSERVE_ISA for a name it does not know or a set the CPU
+    lacks (its code would die of an illegal instruction)."""
+    can = supported(flags, x86=x86)
+    if not requested:
+        return can[0]
+    if requested not in ISAS:
+        raise ValueError(f"NANOSERVE_ISA must be one of {', '.join(ISAS)}, got {requested!r}")
+    if requested not in can:
+        missing = sorted(_NEEDS[requested] - (cpu_flags() if flags is None else flags))
+        raise ValueError(f"NANOSERVE_ISA={requested}: this CPU lacks "
+                         f"{', '.join(missing) or 'x86-64'}; it runs {', '.join(can)}")
+    return requested
+
+
+def isa() -> str:
+    """The instruction set the kernels run with here (NANOSERVE_ISA, else the CPU's best)."""
+    return pick_isa(os.environ.get("NANOSERVE_ISA"))
+
+
+def _command(sources: tuple[Path, ...], output: Path, compiler: str, isa: str) -> list[str]:
     from torch.utils import cpp_extension
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    cmd = [compiler, "-O3", "-march=native", "-std=c++20", "-fPIC", "-shared", "-fopenmp",
-           f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w"]
+    cmd = [compiler, "-O3", *(_COMPILE[isa] if _x86() else []), "-std=c++20", "-fPIC",
+           "-shared", "-fopenmp", "-fvisibility=hidden", "-fvisibility-inlines-hidden",
+           f"-DNANOSERVE_NS=nanoserve_{isa}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w"]
     cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
     cmd += [str(s) for s in sources]
     for lib in cpp_extension.library_paths():
@@ -53,25 +140,16 @@ def _command(sources: tuple[Path, ...], output: Path, compiler: str) -> list[str
     return [*cmd, "-lc10", "-ltorch_cpu", "-o", str(output)]
 
 
-def _cpu_flags() -> bytes:
-    """The CPU's instruction-set flags (Linux), or nothing where /proc does not tell."""
-    try:
-        with open("/proc/cpuinfo", "rb") as f:
-            return next((line for line in f if line.startswith(b"flags")), b"")
-    except OSError:
-        return b""
-
-
-def _build(root: Path) -> Path:
+def _build(root: Path, isa: str) -> Path:
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++ or c++) on PATH")
-    digest = hashlib.sha256(torch.__version__.encode() + _cpu_flags())
+    digest = hashlib.sha256(torch.__version__.encode())
     for s in (*_SOURCES, *_HEADERS):
         digest.update(s.read_bytes())
-    digest.update(" ".join(_command(_SOURCES, Path("out"), compiler)).encode())
+    digest.update(" ".join(_command(_SOURCES, Path("out"), compiler, isa)).encode())
     folder = root / "native"
-    lib = folder / f"nanoserve_ops-{digest.hexdigest()[:16]}.so"
+    lib = folder / f"nanoserve_ops-{isa}-{digest.hexdigest()[:16]}.so"
     if lib.exists():
         with contextlib.suppress(OSError):  # a read-only cache still loads
             os.utime(lib)  # in use: kept by _prune
@@ -82,8 +160,9 @@ def _build(root: Path) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
     os.close(fd)
     try:
-        log.info("building nanoserve's CPU kernels into %s (once, about 20 s)", lib)
-        done = subprocess.run(_command(_SOURCES, Path(tmp), compiler), capture_output=True,
+        log.info("building nanoserve's CPU kernels for %s into %s (once, about 20 s)", isa,
+                 lib)
+        done = subprocess.run(_command(_SOURCES, Path(tmp), compiler, isa), capture_output=True,
                               text=True, check=False)
         if done.returncode != 0:
             raise RuntimeError(f"compiler failed: {done.stderr.strip()[-2000:]}")
@@ -107,14 +186,38 @@ def _prune(folder: Path, keep: Path, now: float, max_age_s: float = STALE_AFTER_
 
 
 @functools.cache
-def available() -> bool:
-    """Whether torch.ops.nanoserve's kernels are loaded (building them if need be)."""
-    if os.environ.get("NANOSERVE_NATIVE", "1") == "0":
-        log.info("NANOSERVE_NATIVE=0: native kernels off, using stock PyTorch ops")
-        return False
+def _load(isa: str) -> Kernels | None:
     try:
-        torch.ops.load_library(str(_build(cache_root())))
+        torch.ops.load_library(str(_build(cache_root(), isa)))
     except (OSError, RuntimeError) as e:
-        log.warning("native kernels unavailable, using stock PyTorch ops: %s", e)
-        return False
-    return True
+        log.warning("native kernels unavailable, using stock PyTorch ops (the %s build): %s",
+                    isa, e)
+        return None
+    ops = getattr(torch.ops, f"nanoserve_{isa}")
+    built = ops.isa()
+    if built != isa:  # the compiler did not honour the flags: never run it as `isa`
+        log.warning("native kernels: the %s build reports %s; using stock PyTorch ops",
+                    isa, built)
+        return None
+    return Kernels(isa, ops)
+
+
+def kernels(which: str | None = None) -> Kernels | None:
+    """The kernels of instruction set `which` (default: `isa()`), built and loaded on first
+    use; None where they cannot be (no compiler, NANOSERVE_NATIVE=0). Raises ValueError for
+    an instruction set this CPU cannot run."""
+    if os.environ.get("NANOSERVE_NATIVE", "1") == "0":
+        _log_off()
+        return None
+    chosen = pick_isa(which) if which is not None else isa()
+    return _load(chosen)
+
+
+@functools.cache
+def _log_off() -> None:
+    log.info("NANOSERVE_NATIVE=0: native kernels off, using stock PyTorch ops")
+
+
+def available() -> bool:
+    """Whether nanoserve's kernels are loaded for this CPU (building them if need be)."""
+    return kernels() is not None

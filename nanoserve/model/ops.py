@@ -1,8 +1,9 @@
 """A Llama layer's elementwise parts, each as one native kernel or as stock PyTorch ops.
 
-`native=True` calls nanoserve's fused CPU kernels (model/csrc/layers.cpp: one pass and one
-dispatch each, float32 only); `native=False` is the same arithmetic in PyTorch operators,
-for every other device and dtype, and for machines where the kernels could not be built.
+`native=` one instruction set's loaded kernels (model/native.py) calls nanoserve's fused CPU
+kernels (model/csrc/layers.cpp: one pass and one dispatch each, float32 only); `native=None`
+is the same arithmetic in PyTorch operators, for every other device and dtype, and for
+machines where the kernels could not be built.
 """
 
 from __future__ import annotations
@@ -10,12 +11,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from nanoserve.model.native import Kernels
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, native: bool
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, native: Kernels | None
              ) -> torch.Tensor:
-    if native:
+    if native is not None:
         out = torch.empty_like(x)
-        torch.ops.nanoserve.rms_norm(x, weight, eps, out)
+        native.ops.rms_norm(x, weight, eps, out)
         return out
     # In float32 whatever the model dtype, then back, as the reference does: the mean of
     # squares of 576 bf16 values loses too much otherwise.
@@ -25,14 +28,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, native: bool
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, *,
-                 native: bool) -> torch.Tensor:
+                 native: Kernels | None) -> torch.Tensor:
     """The residual add, in place (x += delta), and the next norm of its result."""
-    if native:
+    if native is not None:
         out = torch.empty_like(x)
-        torch.ops.nanoserve.add_rms_norm(x, delta, weight, eps, out)
+        native.ops.add_rms_norm(x, delta, weight, eps, out)
         return out
     x.add_(delta)
-    return rms_norm(x, weight, eps, native=False)
+    return rms_norm(x, weight, eps, native=None)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -51,17 +54,17 @@ def rope_store(
     k_cache: torch.Tensor,  # [slots, KV, D]
     v_cache: torch.Tensor,
     *,
-    native: bool,
+    native: Kernels | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q and k rotated, k and v written to their cache slots; returns q [T, H, D] and
     k, v [T, KV, D] for attention to read this step's own keys from."""
     nh, nkv, d = shape
     t = qkv.shape[0]
     v = qkv[:, (nh + nkv) * d:].view(t, nkv, d)
-    if native:
+    if native is not None:
         q = qkv.new_empty((t, nh, d))
         k = qkv.new_empty((t, nkv, d))
-        torch.ops.nanoserve.rope_store(qkv, cos, sin, positions, slot_mapping, k_cache,
+        native.ops.rope_store(qkv, cos, sin, positions, slot_mapping, k_cache,
                                        v_cache, q, k)
         return q, k, v
     qs, ks = qkv[:, : nh * d].view(t, nh, d), qkv[:, nh * d : (nh + nkv) * d].view(t, nkv, d)
@@ -72,11 +75,11 @@ def rope_store(
     return q, k, v
 
 
-def silu_mul(gate_up: torch.Tensor, *, native: bool) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, *, native: Kernels | None) -> torch.Tensor:
     """silu(gate) * up for gate_up = [gate | up] along the last dimension."""
-    if native:
+    if native is not None:
         out = gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
-        torch.ops.nanoserve.silu_mul(gate_up, out)
+        native.ops.silu_mul(gate_up, out)
         return out
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

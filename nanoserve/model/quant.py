@@ -20,9 +20,13 @@ per output channel, where Q8_0 has one per 32 weights.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
+
+from nanoserve.model import native
+from nanoserve.model.native import Kernels
 
 # Bytes of one block of 32 weights, by format.
 BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
@@ -42,21 +46,30 @@ class QuantWeight:
     def rows(self) -> int:
         return int(self.blocks.shape[0])
 
-    def dequantize(self) -> torch.Tensor:
+    def dequantize(self, kernels: Kernels | None = None) -> torch.Tensor:
+        """[rows, cols] float32, by `kernels` (default: this CPU's; the same bits on every
+        instruction set)."""
         out = torch.empty(self.rows, self.cols)
-        torch.ops.nanoserve.dequantize(self.blocks, self.format, out)
+        _ops(kernels).dequantize(self.blocks, self.format, out)
         return out
 
-    def take_rows(self, ids: torch.Tensor) -> torch.Tensor:
+    def take_rows(self, ids: torch.Tensor, kernels: Kernels | None = None) -> torch.Tensor:
         """Rows `ids`, dequantized: an embedding lookup. [T] -> [T, cols]."""
         out = torch.empty(ids.shape[0], self.cols)
-        torch.ops.nanoserve.dequantize(self.blocks[ids], self.format, out)
+        _ops(kernels).dequantize(self.blocks[ids], self.format, out)
         return out
 
     @staticmethod
     def cat(parts: list[QuantWeight]) -> QuantWeight:
         """Stacked along the rows (a fused projection); all in one format."""
         return QuantWeight(torch.cat([p.blocks for p in parts]), parts[0].format, parts[0].cols)
+
+
+def _ops(kernels: Kernels | None) -> Any:
+    k = kernels or native.kernels()
+    if k is None:
+        raise RuntimeError("quantized weights need nanoserve's native kernels (model/native.py)")
+    return k.ops
 
 
 def quantize(weight: torch.Tensor, fmt: str) -> QuantWeight:
@@ -75,6 +88,14 @@ def quantize(weight: torch.Tensor, fmt: str) -> QuantWeight:
 # 110-134 against 112-131, 128 rows 116-134 against 131-156, 512 rows 130-135 against
 # 159-191 (for the 3072x576, 576x1536 and 960x576 projections).
 DENSE_FROM_ROWS = 128
+# The same threshold by instruction set (model/native.py): measured per set, since the
+# kernel's speed against the float32 GEMM differs between them.
+_DENSE_FROM_ROWS = {"avx512": DENSE_FROM_ROWS, "avx2": DENSE_FROM_ROWS,
+                    "generic": DENSE_FROM_ROWS}
+
+
+def dense_from_rows(isa: str) -> int:
+    return _DENSE_FROM_ROWS[isa]
 # Up to this many rows the kernel dequantizes the weights in registers (csrc/quant.cpp's
 # kRegisterRows); between it and DENSE_FROM_ROWS, four weight rows at a time into L1. The
 # cost model (sim/capacity/cost.py) prices a row in that middle band apart.
@@ -100,20 +121,26 @@ class QuantProj:
     DENSE_FROM_ROWS rows, the whole weight dequantized into `scratch` for MKL's sgemm from
     there. Either way the weights are the same values; only the order of additions differs."""
 
-    __slots__ = ("weight", "scratch")
+    __slots__ = ("weight", "scratch", "ops", "dense_from")
 
-    def __init__(self, weight: QuantWeight, scratch: Scratch | None = None) -> None:
+    def __init__(self, weight: QuantWeight, scratch: Scratch | None = None,
+                 kernels: Kernels | None = None) -> None:
         self.weight = weight
         self.scratch = scratch or Scratch()
+        k = kernels or native.kernels()
+        if k is None:
+            raise RuntimeError("quantized weights need nanoserve's native kernels")
+        self.ops = k.ops  # the instruction set's kernels it runs on
+        self.dense_from = dense_from_rows(k.isa)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if x.stride(-1) != 1:
             x = x.contiguous()
-        if x.shape[0] >= DENSE_FROM_ROWS:
+        if x.shape[0] >= self.dense_from:
             dense = self.scratch.matrix(w.rows, w.cols)
-            torch.ops.nanoserve.dequantize(w.blocks, w.format, dense)
+            self.ops.dequantize(w.blocks, w.format, dense)
             return x @ dense.t()
         out = torch.empty(x.shape[0], w.rows, dtype=torch.float32, device=x.device)
-        torch.ops.nanoserve.quant_linear(x, w.blocks, w.format, out)
+        self.ops.quant_linear(x, w.blocks, w.format, out)
         return out

@@ -1,4 +1,5 @@
-"""nanoserve's CPU kernels (model/csrc) against the stock-PyTorch ops they replace.
+"""nanoserve's CPU kernels (model/csrc) against the stock-PyTorch ops they replace, once per
+instruction set (avx512, avx2, generic: each its own build; those this CPU lacks skip).
 
 Each kernel is checked on sizes that are and are not multiples of its 16-float vectors,
 with the paged cache's block tables scattered over the pool; what it must leave alone
@@ -17,16 +18,23 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from native_check import require_native
+from native_check import ISA_PARAMS, kernels_for, require_native
 
 from nanoserve.model import ops
 from nanoserve.model.attention import attend, plan_attention
 from nanoserve.model.base import ForwardBatch
+from nanoserve.model.native import Kernels
 
 
 @pytest.fixture(autouse=True)
 def _native() -> None:
     require_native()
+
+
+@pytest.fixture(params=ISA_PARAMS)
+def k(request: pytest.FixtureRequest) -> Kernels:
+    """One instruction set's kernels: every test that takes `k` runs once per set."""
+    return kernels_for(request.param)
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> None:
@@ -35,30 +43,30 @@ def _close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> None:
 
 
 @pytest.mark.parametrize("hidden", [72, 576])
-def test_norms_match_stock(hidden: int) -> None:
+def test_norms_match_stock(hidden: int, k: Kernels) -> None:
     torch.manual_seed(0)
     x, delta, w = torch.randn(7, hidden), torch.randn(7, hidden), torch.randn(hidden)
-    _close(ops.rms_norm(x, w, 1e-5, native=True), ops.rms_norm(x, w, 1e-5, native=False))
+    _close(ops.rms_norm(x, w, 1e-5, native=k), ops.rms_norm(x, w, 1e-5, native=None))
     xn, xs = x.clone(), x.clone()
-    hn = ops.add_rms_norm(xn, delta, w, 1e-5, native=True)
-    hs = ops.add_rms_norm(xs, delta, w, 1e-5, native=False)
+    hn = ops.add_rms_norm(xn, delta, w, 1e-5, native=k)
+    hs = ops.add_rms_norm(xs, delta, w, 1e-5, native=None)
     _close(hn, hs)
     assert torch.equal(xn, x + delta)  # the residual add happened in place, exactly
 
 
 @pytest.mark.parametrize("inter", [100, 1536])
-def test_silu_mul_matches_stock_over_a_wide_range(inter: int) -> None:
+def test_silu_mul_matches_stock_over_a_wide_range(inter: int, k: Kernels) -> None:
     torch.manual_seed(1)
     gate_up = torch.randn(5, 2 * inter) * 8
     gate_up[0, :6] = torch.tensor([0.0, -0.0, 90.0, -90.0, 1e-30, -200.0])
-    got = ops.silu_mul(gate_up, native=True)
-    want = ops.silu_mul(gate_up, native=False)
+    got = ops.silu_mul(gate_up, native=k)
+    want = ops.silu_mul(gate_up, native=None)
     assert float(((got - want).abs() / (want.abs() + 1e-6)).max()) < 1e-5
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 2, 16), (9, 3, 64), (8, 2, 128)])
 def test_rope_store_matches_stock_and_writes_only_its_slots(
-    heads: int, kv_heads: int, dim: int
+    heads: int, kv_heads: int, dim: int, k: Kernels
 ) -> None:
     torch.manual_seed(2)
     t, slots = 6, 40
@@ -68,7 +76,7 @@ def test_rope_store_matches_stock_and_writes_only_its_slots(
     positions = torch.tensor([0, 5, 63, 7, 8, 9])
     slot_mapping = torch.tensor([3, 17, 39, 0, 22, 8])
     got, want = [], []
-    for native, into in ((True, got), (False, want)):
+    for native, into in ((k, got), (None, want)):
         k_cache = torch.full((slots, kv_heads, dim), 7.0)
         v_cache = torch.full((slots, kv_heads, dim), 7.0)
         tables = (cos, sin) if native else (cos[positions][:, None], sin[positions][:, None])
@@ -98,31 +106,33 @@ def _batch(ctx_lens: list[int], block_size: int, num_blocks: int, seed: int) -> 
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 2, 16), (9, 3, 64), (8, 8, 128)])
-def test_decode_attention_matches_the_stock_path(heads: int, kv_heads: int, dim: int) -> None:
+def test_decode_attention_matches_the_stock_path(heads: int, kv_heads: int, dim: int,
+                                                 k: Kernels) -> None:
     torch.manual_seed(3)
     bs, num_blocks = 16, 80
     b = _batch([1, 37, 15, 16, 17, 300, 64, 2], bs, num_blocks, seed=4)
     t = len(b.input_ids)
-    q, k, v = torch.randn(t, heads, dim), torch.randn(t, kv_heads, dim), torch.randn(
+    kernels = k
+    q, k_new, v = torch.randn(t, heads, dim), torch.randn(t, kv_heads, dim), torch.randn(
         t, kv_heads, dim)
     k_cache = torch.randn(num_blocks * bs, kv_heads, dim)
     v_cache = torch.randn(num_blocks * bs, kv_heads, dim)
     slots = torch.tensor(b.slot_mapping)
-    k_cache[slots], v_cache[slots] = k, v
+    k_cache[slots], v_cache[slots] = k_new, v
     outs = []
     for native in (True, False):
         plan = plan_attention(b, block_size=bs, kv_row_bytes=bs * kv_heads * dim * 4,
                               group_bytes=1 << 14, native=native, device=torch.device("cpu"))
         assert (plan.native is not None) == native
         assert native or len(plan.groups) > 1  # the stock path's grouping is exercised too
-        outs.append(attend(q, k, v, k_cache, v_cache, plan))
+        outs.append(attend(q, k_new, v, k_cache, v_cache, plan, kernels))
     _close(*outs)
 
 
-def test_decode_attention_writes_only_decode_rows() -> None:
+def test_decode_attention_writes_only_decode_rows(k: Kernels) -> None:
     q, cache = torch.randn(4, 2, 16), torch.randn(32, 1, 16)
     out = torch.full((4, 2, 16), 3.0)
-    torch.ops.nanoserve.paged_decode_attention(
+    k.ops.paged_decode_attention(
         q, cache, cache, torch.tensor([2]), torch.tensor([[1, 0]]), torch.tensor([20]), 16,
         0.25, out)
     assert torch.equal(out[[0, 1, 3]], torch.full((3, 2, 16), 3.0))
@@ -139,18 +149,18 @@ def test_decode_attention_writes_only_decode_rows() -> None:
     ([[1, 0]], [0], "context length out of range"),
 ])
 def test_decode_attention_rejects_bad_indices(tables: list[list[int]], ctx: list[int],
-                                              message: str) -> None:
+                                              message: str, k: Kernels) -> None:
     cache = torch.randn(32, 1, 16)
     with pytest.raises(RuntimeError, match=message):
-        torch.ops.nanoserve.paged_decode_attention(
+        k.ops.paged_decode_attention(
             torch.randn(1, 1, 16), cache, cache, torch.tensor([0]), torch.tensor(tables),
             torch.tensor(ctx), 16, 1.0, torch.empty(1, 1, 16))
 
 
-def test_kernels_reject_other_dtypes() -> None:
+def test_kernels_reject_other_dtypes(k: Kernels) -> None:
     x = torch.randn(2, 32, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="float32"):
-        torch.ops.nanoserve.rms_norm(x, torch.ones(32), 1e-5, torch.empty_like(x))
+        k.ops.rms_norm(x, torch.ones(32), 1e-5, torch.empty_like(x))
 
 
 def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -187,8 +197,57 @@ def test_a_load_keeps_its_library_and_a_build_prunes_the_stale_ones(tmp_path: Pa
     assert sorted(p.name for p in folder.iterdir()) == [
         "nanoserve_ops-new.so", "nanoserve_ops-recent.so", "notes.txt"]
     # Loading the library this suite uses marks it fresh, so no other build prunes it.
-    lib = native._build(cache_root())
+    lib = native._build(cache_root(), native.isa())
     long_ago = 1_000_000.0  # 1970: older than any clock this runs under
     os.utime(lib, (long_ago, long_ago))
-    assert native._build(cache_root()) == lib
+    assert native._build(cache_root(), native.isa()) == lib
     assert lib.stat().st_mtime > long_ago
+
+
+# ---- which instruction set runs ---------------------------------------------------------
+
+# /proc/cpuinfo's flags of two real hosts, trimmed to what matters plus neighbours: an AMD
+# EPYC with AVX2 only (Zen 2/3) and one with AVX-512 (Zen 4).
+AVX2_HOST = frozenset("fpu sse sse2 ssse3 sse4_1 sse4_2 avx f16c fma bmi1 avx2 bmi2 "
+                      "sha_ni".split())
+AVX512_HOST = AVX2_HOST | frozenset("avx512f avx512dq avx512cd avx512bw avx512vl "
+                                    "avx512_vnni avx512_bf16".split())
+
+
+def test_the_dispatcher_picks_avx2_on_a_cpu_without_avx512() -> None:
+    from nanoserve.model import native
+
+    assert native.pick_isa(None, AVX2_HOST, x86=True) == "avx2"
+    assert native.supported(AVX2_HOST, x86=True) == ("avx2", "generic")
+    assert native.pick_isa(None, AVX512_HOST, x86=True) == "avx512"
+    assert native.pick_isa("avx2", AVX512_HOST, x86=True) == "avx2"  # forced down: runs
+    assert native.pick_isa("generic", AVX2_HOST, x86=True) == "generic"
+    # AVX2 without FMA (some early or virtualised CPUs) is not the AVX2 build's target.
+    assert native.pick_isa(None, AVX2_HOST - {"fma"}, x86=True) == "generic"
+    assert native.pick_isa(None, AVX512_HOST - {"avx512bw"}, x86=True) == "avx2"
+    assert native.pick_isa(None, frozenset(), x86=False) == "generic"  # e.g. aarch64
+
+
+def test_a_forced_isa_the_cpu_lacks_is_refused_not_run() -> None:
+    from nanoserve.model import native
+
+    with pytest.raises(ValueError, match=r"NANOSERVE_ISA=avx512: this CPU lacks avx512bw, "
+                                         r"avx512dq, avx512f, avx512vl; it runs avx2, generic"):
+        native.pick_isa("avx512", AVX2_HOST, x86=True)
+    with pytest.raises(ValueError, match="NANOSERVE_ISA must be one of avx512, avx2, generic"):
+        native.pick_isa("sse9", AVX512_HOST, x86=True)
+
+
+def test_nanoserve_isa_chooses_the_kernels_a_model_runs(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    from nanoserve.model import native
+
+    for isa in native.supported():
+        monkeypatch.setenv("NANOSERVE_ISA", isa)
+        assert native.isa() == isa
+        chosen = native.kernels()
+        assert chosen is not None
+        assert chosen.isa == isa
+        assert chosen.ops.isa() == isa  # the library really was built for it
+    monkeypatch.delenv("NANOSERVE_ISA")
+    assert native.isa() == native.supported()[0]

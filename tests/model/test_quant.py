@@ -1,6 +1,7 @@
 """Quantized weights (model/quant.py, csrc/quant.cpp): the file's blocks dequantize to
 exactly gguf-py's values, and the multiply equals a float32 matmul over those values up to
-the order of additions, at every row count both kernels serve."""
+the order of additions, at every row count both kernels serve, in each instruction set's
+build (avx512, avx2, generic; those this CPU lacks skip)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
+from native_check import ISA_PARAMS, kernels_for
 
 from nanoserve.model import native
 from nanoserve.model.gguf import read_gguf_weights
@@ -26,8 +28,10 @@ def reference(w: QuantWeight) -> torch.Tensor:
                                      dtype=np.float32))
 
 
+@pytest.mark.parametrize("isa", ISA_PARAMS)
 @pytest.mark.parametrize("fmt", sorted(BLOCK_BYTES))
-def test_dequantize_is_bit_exact_with_gguf_py(fmt: str) -> None:
+def test_dequantize_is_bit_exact_with_gguf_py(fmt: str, isa: str) -> None:
+    k = kernels_for(isa)
     g = torch.Generator().manual_seed(0)
     dense = torch.randn(37, 96, generator=g) * torch.logspace(-6, 2, 37)[:, None]
     w = quantize(dense, fmt)
@@ -35,23 +39,27 @@ def test_dequantize_is_bit_exact_with_gguf_py(fmt: str) -> None:
     # Halves at the edges: a subnormal scale, a zero one, a negative offset.
     w.blocks[0, 0:2] = torch.tensor([1, 0], dtype=torch.uint8)  # d = 2^-24, subnormal
     w.blocks[1, 0:2] = 0
-    assert torch.equal(w.dequantize(), reference(w))
+    assert torch.equal(w.dequantize(k), reference(w))
     ids = torch.tensor([5, 0, 36, 5])
-    assert torch.equal(w.take_rows(ids), reference(w)[ids])
+    assert torch.equal(w.take_rows(ids, k), reference(w)[ids])
 
 
+@pytest.mark.parametrize("isa", ISA_PARAMS)
 @pytest.mark.parametrize("fmt", sorted(BLOCK_BYTES))
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 16, 33, 130])  # every path, remainders
-def test_linear_is_a_matmul_over_the_same_values(fmt: str, rows: int) -> None:
+# Every path (registers, tiles, dense) with every accumulator layout and remainder.
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 33, 130])
+def test_linear_is_a_matmul_over_the_same_values(fmt: str, rows: int, isa: str) -> None:
+    k = kernels_for(isa)
     g = torch.Generator().manual_seed(rows)
-    w = quantize(torch.randn(83, 160, generator=g), fmt)  # 83: not a multiple of 4
+    w = quantize(torch.randn(83, 160, generator=g), fmt)  # 83: not a multiple of 3 or 4
     x = torch.randn(rows, 160, generator=g)
-    got = QuantProj(w)(x)
+    got = QuantProj(w, kernels=k)(x)
     want = x.double() @ reference(w).double().t()
     assert got.shape == (rows, 83)
     assert (got.double() - want).abs().max().item() < 1e-4
     strided = torch.randn(rows, 200, generator=g)[:, 20:180]  # a view: rows 200 apart
-    assert torch.allclose(QuantProj(w)(strided), QuantProj(w)(strided.contiguous()))
+    proj = QuantProj(w, kernels=k)
+    assert torch.allclose(proj(strided), proj(strided.contiguous()))
 
 
 def test_the_gguf_blocks_are_the_converted_weights() -> None:

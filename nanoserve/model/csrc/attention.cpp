@@ -175,13 +175,13 @@ void paged_decode_attention(
 
 }  // namespace nanoserve
 
-TORCH_LIBRARY_FRAGMENT(nanoserve, m) {
+TORCH_LIBRARY_FRAGMENT(NANOSERVE_NS, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor rows, "
       "Tensor block_tables, Tensor context_lens, int block_size, float scale, "
       "Tensor(a!) out) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(nanoserve, CPU, m) {
+TORCH_LIBRARY_IMPL(NANOSERVE_NS, CPU, m) {
   m.impl("paged_decode_attention", &nanoserve::paged_decode_attention);
 }

@@ -198,7 +198,7 @@ void silu_mul(const at::Tensor& gate_up, const at::Tensor& out) {
 
 }  // namespace nanoserve
 
-TORCH_LIBRARY_FRAGMENT(nanoserve, m) {
+TORCH_LIBRARY_FRAGMENT(NANOSERVE_NS, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
   m.def("add_rms_norm(Tensor(a!) x, Tensor delta, Tensor weight, float eps, Tensor(b!) out) -> ()");
   m.def(
@@ -207,7 +207,7 @@ TORCH_LIBRARY_FRAGMENT(nanoserve, m) {
   m.def("silu_mul(Tensor gate_up, Tensor(a!) out) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(nanoserve, CPU, m) {
+TORCH_LIBRARY_IMPL(NANOSERVE_NS, CPU, m) {
   m.impl("rms_norm", &nanoserve::rms_norm);
   m.impl("add_rms_norm", &nanoserve::add_rms_norm);
   m.impl("rope_store", &nanoserve::rope_store);

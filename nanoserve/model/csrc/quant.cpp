@@ -12,11 +12,17 @@
 // as it does there. Only the order of the dot product's additions differs from a float32
 // matmul over those values.
 //
-// quant_linear: out[M, N] = x[M, K] @ W^T. The rows of W are split among threads; each
-// thread dequantizes four rows at a time into a small buffer that stays in L1 and runs
-// every row of x against them. At one row of x (batch-1 decode) that reads each weight byte
-// once: the memory-bound gemv. For many rows the caller dequantizes the whole weight
-// (dequantize) and uses the packed float32 GEMM instead, which wins there.
+// quant_linear: out[M, N] = x[M, K] @ W^T. The rows of W are split among threads. Up to
+// kRegisterRows rows of x each block is dequantized in registers and used at once against
+// every row (at one row, batch-1 decode, each weight byte is read once: the memory-bound
+// gemv). Above it, a thread dequantizes kTileN weight rows into a buffer that stays in L1
+// and runs every row of x against them through a register-tiled micro-kernel. For many
+// rows the caller dequantizes the whole weight (dequantize) and uses the float32 GEMM.
+//
+// The vectors are the build's native width (vec.h: one library per instruction set): 16
+// floats on AVX-512, 8 on AVX2, so a block is 2 or 4 vectors, and the tiles are shaped for
+// each register file (32 zmm registers, or 16 ymm). On AVX-512 the arithmetic, and so every
+// bit, is what this file computed before it had an AVX2 path.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -31,37 +37,58 @@
 #include "kernels.h"
 #include "vec.h"
 
-#if defined(__AVX512F__) && defined(__F16C__)
-#include <immintrin.h>
-#define NANOSERVE_AVX512 1
-#endif
-
 namespace {
 
-using nanoserve::hsum;
-using nanoserve::kLanes;
-using nanoserve::load;
-using nanoserve::store;
-using nanoserve::v16;
-
-typedef uint8_t u8x16 __attribute__((vector_size(16)));
-typedef int8_t s8x16 __attribute__((vector_size(16)));
-
 constexpr int64_t kBlock = 32;
-constexpr int64_t kTile = 4;  // weight rows dequantized together
+
+#ifdef NANOSERVE_AVX512
+constexpr int kW = 16;  // floats per vector
+// Tiles: 4 rows of x against 4 weight rows, 16 accumulators of the 32 registers.
+constexpr int kTileM = 4, kTileN = 4;
+#else
+constexpr int kW = 8;
+// 4 rows of x against 3 weight rows: 12 accumulators, 3 weights and one x in 16 registers
+// (4 x 4 would need 16 accumulators alone and spill).
+constexpr int kTileM = 4, kTileN = 3;
+#endif
+typedef float vf __attribute__((vector_size(kW * 4)));
+constexpr int kPer = kBlock / kW;  // vectors per block of 32 weights
+
 // Up to this many rows of x the weights are dequantized in registers (gemv: 6-16 ms for the
-// 30 layers at 1-8 rows, against 9-20 ms for the other way), above it four
-// weight rows at a time into L1 for a 4x4 float32 micro-kernel (36 against 39 ms at 16
-// rows, 57 against 80 at 32, 109 against 164 at 64).
+// 30 layers at 1-8 rows, against 9-20 ms for the other way), above it kTileN weight rows at
+// a time into L1 for the micro-kernel (36 against 39 ms at 16 rows, 57 against 80 at 32,
+// 109 against 164 at 64; AVX-512).
 constexpr int64_t kRegisterRows = 8;  // quant.py's REGISTER_ROWS (the cost model's bands)
+
+inline vf vload(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+inline float vsum(vf v) {
+#if defined(NANOSERVE_AVX512)
+  return _mm512_reduce_add_ps((__m512)v);
+#elif defined(NANOSERVE_AVX2)
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+#else
+  float s = 0.0f;
+  for (int l = 0; l < kW; ++l) s += v[l];
+  return s;
+#endif
+}
 
 // IEEE half -> float, exactly (normal, subnormal, zero, inf, nan).
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
-#ifdef NANOSERVE_AVX512
-  return _cvtsh_ss(h);
-#endif
+#if defined(NANOSERVE_AVX512) || defined(NANOSERVE_AVX2)
+  return _cvtsh_ss(h);  // F16C
+#else
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
   uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
   if (exp == 0x1f) {
@@ -81,81 +108,98 @@ inline float half_to_float(const uint8_t* p) {
   float f;
   std::memcpy(&f, &bits, 4);
   return f;
+#endif
 }
 
-// The 32 nibbles of a block as floats: weights 0-15 (low halves), 16-31 (high halves).
-inline void nibbles(const uint8_t* qs, v16& lo, v16& hi) {
-#ifdef NANOSERVE_AVX512
-  // GCC scalarises a byte-to-float vector conversion; these are two instructions each.
+// The 32 nibbles of a block as floats, in weight order: 0-15 are the low halves of the 16
+// bytes, 16-31 the high halves. GCC scalarises a byte-to-float vector conversion, hence the
+// intrinsics: a zero-extension and a conversion per vector.
+inline void nibbles(const uint8_t* qs, vf (&w)[kPer]) {
+#if defined(NANOSERVE_AVX512)
   const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
   const __m128i mask = _mm_set1_epi8(0x0f);
-  lo = (v16)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, mask)));
-  hi = (v16)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), mask)));
+  w[0] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, mask)));
+  w[1] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), mask)));
+#elif defined(NANOSERVE_AVX2)
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i mask = _mm_set1_epi8(0x0f);
+  const __m128i lo = _mm_and_si128(q, mask), hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
+  w[0] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+  w[1] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+  w[2] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+  w[3] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
 #else
-  u8x16 q;
-  std::memcpy(&q, qs, 16);
-  lo = __builtin_convertvector(q & 0x0f, v16);
-  hi = __builtin_convertvector(q >> 4, v16);
+  for (int j = 0; j < kPer; ++j) {
+    for (int l = 0; l < kW; ++l) {
+      const int i = j * kW + l;
+      w[j][l] = static_cast<float>(i < 16 ? qs[i] & 0x0f : qs[i - 16] >> 4);
+    }
+  }
 #endif
 }
 
-inline v16 int8s(const uint8_t* p) {
-#ifdef NANOSERVE_AVX512
-  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
+inline void int8s(const uint8_t* p, vf (&w)[kPer]) {
+#if defined(NANOSERVE_AVX512)
+  for (int j = 0; j < kPer; ++j) {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * j));
+    w[j] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
+  }
+#elif defined(NANOSERVE_AVX2)
+  for (int j = 0; j < kPer; ++j) {
+    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * j));
+    w[j] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+  }
 #else
-  s8x16 q;
-  std::memcpy(&q, p, 16);
-  return __builtin_convertvector(q, v16);
+  for (int j = 0; j < kPer; ++j) {
+    for (int l = 0; l < kW; ++l) w[j][l] = static_cast<float>(static_cast<int8_t>(p[j * kW + l]));
+  }
 #endif
 }
 
-inline float sum16(v16 v) {
-#ifdef NANOSERVE_AVX512
-  return _mm512_reduce_add_ps((__m512)v);
-#else
-  return hsum(v);
-#endif
-}
-
-// Each format: dequant(block, w0, w1) gives the block's 32 weights as two vectors.
+// Each format: dequant(block, w) gives the block's 32 weights as kPer vectors.
 struct Q4_0 {
   static constexpr int64_t kBytes = 18;
-  static void dequant(const uint8_t* b, v16& w0, v16& w1) {
-    const v16 d = v16{} + half_to_float(b);
-    nibbles(b + 2, w0, w1);
-    w0 = d * (w0 - 8.0f);  // q - 8 is exact; one rounding, as the reference
-    w1 = d * (w1 - 8.0f);
+  static void dequant(const uint8_t* b, vf (&w)[kPer]) {
+    const vf d = vf{} + half_to_float(b);
+    nibbles(b + 2, w);
+    for (int j = 0; j < kPer; ++j) w[j] = d * (w[j] - 8.0f);  // q - 8 is exact; one rounding
   }
 };
 
 struct Q4_1 {
   static constexpr int64_t kBytes = 20;
-  static void dequant(const uint8_t* b, v16& w0, v16& w1) {
-    const v16 d = v16{} + half_to_float(b), m = v16{} + half_to_float(b + 2);
-    nibbles(b + 4, w0, w1);
-    w0 = d * w0 + m;
-    w1 = d * w1 + m;
+  static void dequant(const uint8_t* b, vf (&w)[kPer]) {
+    const vf d = vf{} + half_to_float(b), m = vf{} + half_to_float(b + 2);
+    nibbles(b + 4, w);
+    for (int j = 0; j < kPer; ++j) w[j] = d * w[j] + m;
   }
 };
 
 struct Q8_0 {
   static constexpr int64_t kBytes = 34;
-  static void dequant(const uint8_t* b, v16& w0, v16& w1) {
-    const v16 d = v16{} + half_to_float(b);
-    w0 = int8s(b + 2) * d;
-    w1 = int8s(b + 18) * d;
+  static void dequant(const uint8_t* b, vf (&w)[kPer]) {
+    const vf d = vf{} + half_to_float(b);
+    int8s(b + 2, w);
+    for (int j = 0; j < kPer; ++j) w[j] = w[j] * d;
   }
 };
 
 template <class F>
 void dequant_row(const uint8_t* row, int64_t blocks, float* w) {
   for (int64_t b = 0; b < blocks; ++b) {
-    v16 w0, w1;
-    F::dequant(row + b * F::kBytes, w0, w1);
-    store(w + b * kBlock, w0);
-    store(w + b * kBlock + 16, w1);
+    vf v[kPer];
+    F::dequant(row + b * F::kBytes, v);
+    for (int j = 0; j < kPer; ++j) vstore(w + b * kBlock + j * kW, v[j]);
   }
+}
+
+// Independent accumulators per row of x in rows_dot: enough chains of fused multiply-adds
+// to hide their latency, few enough that R rows' of them, and a block's kPer weight
+// vectors, stay in registers. On AVX-512 always 2 (one per vector of a block).
+template <int R>
+constexpr int accumulators() {
+  if constexpr (kPer == 2) return 2;
+  return R <= 2 ? 4 : R <= 4 ? 2 : 1;
 }
 
 // R rows of x (R <= 8) against weight row `row`, the weights dequantized in registers and
@@ -163,16 +207,21 @@ void dequant_row(const uint8_t* row, int64_t blocks, float* w) {
 template <class F, int R>
 inline void rows_dot(const float* x, int64_t xs, const uint8_t* row, int64_t nb, float* out,
                      int64_t os) {
-  v16 a[R][2] = {};
+  constexpr int A = accumulators<R>();
+  vf a[R][A] = {};
   for (int64_t b = 0; b < nb; ++b) {
-    v16 w0, w1;
-    F::dequant(row + b * F::kBytes, w0, w1);
+    vf w[kPer];
+    F::dequant(row + b * F::kBytes, w);
+    const float* xb = x + b * kBlock;
     for (int r = 0; r < R; ++r) {
-      a[r][0] += load(x + r * xs + b * kBlock) * w0;
-      a[r][1] += load(x + r * xs + b * kBlock + 16) * w1;
+      for (int j = 0; j < kPer; ++j) a[r][j % A] += vload(xb + r * xs + j * kW) * w[j];
     }
   }
-  for (int r = 0; r < R; ++r) out[r * os] = sum16(a[r][0] + a[r][1]);
+  for (int r = 0; r < R; ++r) {
+    vf s = a[r][0];
+    for (int i = 1; i < A; ++i) s += a[r][i];
+    out[r * os] = vsum(s);
+  }
 }
 
 template <class F>
@@ -190,9 +239,9 @@ void rows_dot_any(int r, const float* x, int64_t xs, const uint8_t* row, int64_t
   }
 }
 
-// Every row of x against every weight row, eight rows of x at a time (16 accumulators,
-// two weight vectors: 18 of the 32 vector registers). Each block is dequantized once per
-// eight rows of x; at one row (batch-1 decode) each weight byte is read once.
+// Every row of x against every weight row, eight rows of x at a time. Each block is
+// dequantized once per eight rows of x; at one row (batch-1 decode) each weight byte is
+// read once.
 template <class F>
 void gemv(const float* x, int64_t M, int64_t xs, const uint8_t* blocks, int64_t nb,
           int64_t N, float* out, int64_t os) {
@@ -207,23 +256,21 @@ void gemv(const float* x, int64_t M, int64_t xs, const uint8_t* blocks, int64_t 
   });
 }
 
-// out[r][i] = x[r] . w[i] for r, i < 4; x rows `xs` apart, w rows K apart, out rows `os`.
-inline void dot_4x4(const float* x, int64_t xs, const float* w, int64_t K, float* out,
-                    int64_t os) {
-  v16 a[4][4] = {};
-  for (int64_t k = 0; k < K; k += kLanes) {
-    const v16 w0 = load(w + k), w1 = load(w + K + k), w2 = load(w + 2 * K + k),
-              w3 = load(w + 3 * K + k);
-    for (int r = 0; r < 4; ++r) {
-      const v16 xv = load(x + r * xs + k);
-      a[r][0] += xv * w0;
-      a[r][1] += xv * w1;
-      a[r][2] += xv * w2;
-      a[r][3] += xv * w3;
+// out[r][i] = x[r] . w[i] for r < kTileM, i < kTileN; x rows `xs` apart, w rows K apart,
+// out rows `os`. kTileM + kTileN loads per kTileM * kTileN multiply-adds.
+inline void dot_tile(const float* x, int64_t xs, const float* w, int64_t K, float* out,
+                     int64_t os) {
+  vf a[kTileM][kTileN] = {};
+  for (int64_t k = 0; k < K; k += kW) {
+    vf wv[kTileN];
+    for (int i = 0; i < kTileN; ++i) wv[i] = vload(w + i * K + k);
+    for (int r = 0; r < kTileM; ++r) {
+      const vf xv = vload(x + r * xs + k);
+      for (int i = 0; i < kTileN; ++i) a[r][i] += xv * wv[i];
     }
   }
-  for (int r = 0; r < 4; ++r) {
-    for (int i = 0; i < 4; ++i) out[r * os + i] = sum16(a[r][i]);
+  for (int r = 0; r < kTileM; ++r) {
+    for (int i = 0; i < kTileN; ++i) out[r * os + i] = vsum(a[r][i]);
   }
 }
 
@@ -235,28 +282,28 @@ void linear(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& out
   float* op = out.data_ptr<float>();
   const int64_t xs = x.stride(0), os = out.stride(0), row_bytes = nb * F::kBytes;
   if (M <= kRegisterRows) return gemv<F>(xp, M, xs, bp, nb, N, op, os);
-  const int64_t tiles = (N + kTile - 1) / kTile;
+  const int64_t tiles = (N + kTileN - 1) / kTileN;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(kTile * K);
+    std::vector<float> buf(kTileN * K);
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t n0 = t * kTile, rows = std::min(kTile, N - n0);
+      const int64_t n0 = t * kTileN, rows = std::min<int64_t>(kTileN, N - n0);
       for (int64_t i = 0; i < rows; ++i) {
         dequant_row<F>(bp + (n0 + i) * row_bytes, nb, buf.data() + i * K);
       }
       const float* w = buf.data();
       int64_t r = 0;
-      if (rows == kTile) {
-        // Four rows of x against the four weight rows: 16 accumulators, 8 loads per 16
-        // multiply-adds (one row of x at a time would load as often as it multiplies).
-        for (; r + 4 <= M; r += 4) dot_4x4(xp + r * xs, xs, w, K, op + r * os + n0, os);
+      if (rows == kTileN) {
+        for (; r + kTileM <= M; r += kTileM) dot_tile(xp + r * xs, xs, w, K, op + r * os + n0, os);
       }
+      // The rest one dot at a time, each summed in the micro-kernel's order: a row's
+      // values do not depend on whether it fell in a tile.
       for (; r < M; ++r) {
         const float* xr = xp + r * xs;
         for (int64_t i = 0; i < rows; ++i) {
           const float* wi = w + i * K;
-          v16 a = {};
-          for (int64_t k = 0; k < K; k += kLanes) a += load(xr + k) * load(wi + k);
-          op[r * os + n0 + i] = sum16(a);
+          vf a = {};
+          for (int64_t k = 0; k < K; k += kW) a += vload(xr + k) * vload(wi + k);
+          op[r * os + n0 + i] = vsum(a);
         }
       }
     }
@@ -326,12 +373,12 @@ void dequantize(const at::Tensor& blocks, const std::string& format, const at::T
 
 }  // namespace nanoserve
 
-TORCH_LIBRARY_FRAGMENT(nanoserve, m) {
+TORCH_LIBRARY_FRAGMENT(NANOSERVE_NS, m) {
   m.def("quant_linear(Tensor x, Tensor blocks, str format, Tensor(a!) out) -> ()");
   m.def("dequantize(Tensor blocks, str format, Tensor(a!) out) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(nanoserve, CPU, m) {
+TORCH_LIBRARY_IMPL(NANOSERVE_NS, CPU, m) {
   m.impl("quant_linear", &nanoserve::quant_linear);
   m.impl("dequantize", &nanoserve::dequantize);
 }

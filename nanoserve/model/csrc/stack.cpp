@@ -15,6 +15,7 @@
 #include <string>
 
 #include "kernels.h"
+#include "vec.h"
 
 namespace {
 
@@ -61,15 +62,19 @@ at::Tensor decode_stack(const at::Tensor& x, at::TensorList attn_norm, at::Tenso
   return m;
 }
 
+// The instruction set this library was built for: what model/native.py asked for, checked.
+std::string isa() { return NANOSERVE_ISA_NAME; }
+
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(nanoserve, m) {
+TORCH_LIBRARY_FRAGMENT(NANOSERVE_NS, m) {
   m.def(
       "decode_stack(Tensor(a!) x, Tensor[] attn_norm, Tensor[] qkv, Tensor[] o, "
       "Tensor[] mlp_norm, Tensor[] gate_up, Tensor[] down, str format, Tensor(b!) cache, "
       "Tensor cos, Tensor sin, Tensor positions, Tensor slot_mapping, Tensor rows, "
       "Tensor block_tables, Tensor context_lens, int block_size, int heads, int kv_heads, "
       "int head_dim, float scale, float eps) -> Tensor");
+  m.def("isa() -> str", &isa);
 }
 
-TORCH_LIBRARY_IMPL(nanoserve, CPU, m) { m.impl("decode_stack", &decode_stack); }
+TORCH_LIBRARY_IMPL(NANOSERVE_NS, CPU, m) { m.impl("decode_stack", &decode_stack); }

@@ -1,15 +1,42 @@
-// Small SIMD helpers shared by nanoserve's CPU kernels.
+// Small SIMD helpers shared by nanoserve's CPU kernels, and the instruction set this copy of
+// them is built for.
+//
+// nanoserve builds its kernels once per instruction set (model/native.py): `avx512`
+// (AVX-512 F/BW/DQ/VL with FMA and F16C), `avx2` (AVX2, FMA, F16C) and `generic` (the
+// compiler's baseline for the machine), each into its own library whose ops live under
+// `torch.ops.nanoserve_<isa>`; the one the CPU can run is picked at run time. The compiler
+// flags of each build define the macros below, so one source serves all three.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__FMA__) && defined(__F16C__)
+#define NANOSERVE_AVX512 1
+#define NANOSERVE_ISA_NAME "avx512"
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define NANOSERVE_AVX2 1
+#define NANOSERVE_ISA_NAME "avx2"
+#else
+#define NANOSERVE_ISA_NAME "generic"
+#endif
+
+#if defined(NANOSERVE_AVX512) || defined(NANOSERVE_AVX2)
+#include <immintrin.h>
+#endif
+
+// The torch.ops namespace of this build: nanoserve_avx512, nanoserve_avx2, nanoserve_generic.
+#ifndef NANOSERVE_NS
+#error "build with -DNANOSERVE_NS=nanoserve_<isa> (model/native.py does)"
+#endif
+
 namespace nanoserve {
 
-// 16 floats as one value: GCC's vector extension, lowered to one AVX-512 register or two
-// AVX2 ones, whatever -march=native offers. Written out because the compiler does not
-// vectorize a float reduction on its own (it may not reorder the additions).
+// 16 floats as one value: GCC's vector extension, lowered to one AVX-512 register, two
+// AVX2 ones or four SSE ones, whatever the build's flags offer. The lane arithmetic is the
+// same in every lowering. Written out because the compiler does not vectorize a float
+// reduction on its own (it may not reorder the additions).
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t i16 __attribute__((vector_size(64)));
 constexpr int64_t kLanes = 16;
