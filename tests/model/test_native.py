@@ -208,10 +208,10 @@ def test_a_load_keeps_its_library_and_a_build_prunes_the_stale_ones(tmp_path: Pa
 
 # /proc/cpuinfo's flags of two real hosts, trimmed to what matters plus neighbours: an AMD
 # EPYC with AVX2 only (Zen 2/3) and one with AVX-512 (Zen 4).
-AVX2_HOST = frozenset("fpu sse sse2 ssse3 sse4_1 sse4_2 avx f16c fma bmi1 avx2 bmi2 "
-                      "sha_ni".split())
-AVX512_HOST = AVX2_HOST | frozenset("avx512f avx512dq avx512cd avx512bw avx512vl "
-                                    "avx512_vnni avx512_bf16".split())
+AVX2_HOST = frozenset(["fpu", "sse", "sse2", "ssse3", "sse4_1", "sse4_2", "avx", "f16c",
+                       "fma", "bmi1", "avx2", "bmi2", "sha_ni"])
+AVX512_HOST = AVX2_HOST | frozenset(["avx512f", "avx512dq", "avx512cd", "avx512bw",
+                                     "avx512vl", "avx512_vnni", "avx512_bf16"])
 
 
 def test_the_dispatcher_picks_avx2_on_a_cpu_without_avx512() -> None:
