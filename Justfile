@@ -86,6 +86,7 @@ bench-guidellm *args: guidellm-setup
 # nanoserve beside llama.cpp on the same GGUF: llama-bench, llama-batched-bench, and
 # llama-server against nanoserve serve (sim bench at 1 and 16 streams; GuideLLM too once
 # `just guidellm-setup` has run). The first run builds llama.cpp from the llama-cpp-python
-# sdist on PyPI (about 7 minutes on 2 cores), cached after. Flags: --rounds, --n16, ...
+# sdist on PyPI (about 7 minutes on 2 cores), cached after. `--isa avx2` compares both on
+# AVX2 (llama.cpp built for it, nanoserve forced to it) on any host. Flags: --rounds, ...
 bench-llamacpp *args: setup
     {{py}} -m sim.bench.llamacpp {{args}}

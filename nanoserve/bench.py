@@ -129,7 +129,7 @@ def _load(a: argparse.Namespace) -> tuple[Model, Tokenizer]:
     return model, Tokenizer.from_folder(folder)
 
 
-def run(a: argparse.Namespace) -> dict[str, float | int]:
+def run(a: argparse.Namespace) -> dict[str, float | int | str]:
     cfg = EngineConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens)
     model, tok = _load(a)
     llm = LLM.from_parts(model, tok, cfg)
@@ -153,7 +153,11 @@ def run(a: argparse.Namespace) -> dict[str, float | int]:
     stats = llm.engine.statistics()
     computed = stats.prefill_tokens + stats.decode_tokens  # tokens that went through the model
     flops = 2 * weight_numel(model) * computed / seconds
-    result: dict[str, float | int] = {
+    kernels = getattr(model, "kernels", None)  # a LlamaModel's; None: stock ops or the stub
+    isa = kernels.isa if kernels is not None else "none"
+    result: dict[str, float | int | str] = {
+        "isa": isa,
+        "quantization": a.quantization,
         "requests": len(reqs),
         "output_tokens": produced,
         "prompt_tokens": prompt_tokens,
@@ -167,7 +171,8 @@ def run(a: argparse.Namespace) -> dict[str, float | int]:
         "mm2048_gflops": round(peak / 1e9, 1),
         "fraction_of_mm_peak": round(flops / peak, 3),
     }
-    print(f"nanoserve: {produced} output tokens in {seconds:.2f}s = "
+    print(f"nanoserve ({isa} kernels, --quantization {a.quantization}): {produced} output "
+          f"tokens in {seconds:.2f}s = "
           f"{produced / seconds:.1f} tok/s ({stats.steps} steps); {computed} computed tokens "
           f"at {flops / 1e9:.1f} GFLOP/s = {flops / peak:.0%} of a 2048 mm's "
           f"{peak / 1e9:.1f} GFLOP/s")

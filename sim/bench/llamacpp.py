@@ -16,6 +16,10 @@ on 2 threads:
 - memory: `nanoserve serve`'s resident set (its /metrics process collector) after one
   request, with the GGUF's blocks and with float32 weights.
 
+`--isa avx2` makes the comparison on AVX2 on any host: llama.cpp built with AVX2, FMA and
+F16C and AVX-512 off (`build_llamacpp.sh avx2`, cached apart), and nanoserve run with
+NANOSERVE_ISA=avx2. `--isa native` (the default) is each at its best on this CPU.
+
 Every figure goes to --out-dir as JSON; the table at the end sets each beside its peer.
 """
 
@@ -38,10 +42,16 @@ from sim.bench.online import stop, wait_healthy
 PY = sys.executable
 
 
-def build() -> Path:
-    out = subprocess.run(["bash", "scripts/build_llamacpp.sh"], check=True,
+def build(isa: str) -> Path:
+    out = subprocess.run(["bash", "scripts/build_llamacpp.sh", isa], check=True,
                          stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHON": PY})
     return Path(out.stdout.strip().splitlines()[-1])
+
+
+def nanoserve_env(isa: str) -> dict[str, str]:
+    """nanoserve's environment: NANOSERVE_ISA=avx2 for `--isa avx2`, else the CPU's best."""
+    env = {k: v for k, v in os.environ.items() if k != "NANOSERVE_ISA"}
+    return env | {"NANOSERVE_ISA": "avx2"} if isa == "avx2" else env
 
 
 def llama_bench(bins: Path, gguf: Path) -> dict[str, float]:
@@ -60,14 +70,14 @@ def batched_bench(bins: Path, gguf: Path) -> dict[str, float]:
     return {"pp_tok_s": float(cells[5]), "tg_tok_s": float(cells[7])}
 
 
-def nanoserve_bench(n: int) -> dict[str, Any]:
+def nanoserve_bench(n: int, isa: str) -> dict[str, Any]:
     out = subprocess.run([PY, "-m", "nanoserve.cli", "bench", "--n", str(n), "--quiet"],
-                         check=True, capture_output=True, text=True)
+                         check=True, capture_output=True, text=True, env=nanoserve_env(isa))
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
 
 
-def serve(kind: str, bins: Path, gguf: Path, port: int, quantization: str = "auto"
+def serve(kind: str, bins: Path, gguf: Path, port: int, isa: str, quantization: str = "auto"
           ) -> subprocess.Popen[bytes]:
     if kind == "llama-server":
         cmd = [str(bins / "llama-server"), "-m", str(gguf), "-t", "2", "-np", "16", "-c", "4096",
@@ -75,7 +85,8 @@ def serve(kind: str, bins: Path, gguf: Path, port: int, quantization: str = "aut
     else:
         cmd = [PY, "-m", "nanoserve.cli", "serve", "--port", str(port), "--log-level",
                "warning", "--quantization", quantization]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=nanoserve_env(isa))
     wait_healthy(f"http://127.0.0.1:{port}", proc, 600)
     return proc
 
@@ -121,17 +132,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=8130)
     ap.add_argument("--no-guidellm", action="store_true")
     ap.add_argument("--out-dir", default="bench/results")
+    ap.add_argument("--isa", choices=("native", "avx2"), default="native",
+                    help="native: each at its best here; avx2: both built or forced to AVX2")
+    ap.add_argument("--offline-n", type=int, default=32,
+                    help="requests of the offline `nanoserve bench --n` [32]")
     a = ap.parse_args(argv)
     from nanoserve.model.loader import embedded_gguf_path
 
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     gguf = embedded_gguf_path()
-    bins = build()
+    bins = build(a.isa)
     print(f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}, load average {os.getloadavg()}; "
-          f"{gguf.name}; llama.cpp from {bins}", flush=True)
-    r: dict[str, Any] = {"llama_bench": llama_bench(bins, gguf),
-                         "nanoserve_bench": nanoserve_bench(64)}
+          f"{gguf.name}; llama.cpp from {bins}; --isa {a.isa}", flush=True)
+    r: dict[str, Any] = {"isa": a.isa, "llama_bench": llama_bench(bins, gguf),
+                         "nanoserve_bench": nanoserve_bench(a.offline_n, a.isa)}
     print(f"batch-1 decode: llama-bench tg64 {r['llama_bench']['tg64']} tok/s, nanoserve "
           f"{r['nanoserve_bench']['single_decode_tokens_per_s']} tok/s", flush=True)
     r["llama_batched_bench"] = batched_bench(bins, gguf)
@@ -139,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     use_guidellm = not a.no_guidellm and GUIDELLM.exists()
     for k in range(a.rounds):
         for kind in ("llama-server", "nanoserve"):
-            proc = serve(kind, bins, gguf, a.port)
+            proc = serve(kind, bins, gguf, a.port, a.isa)
             try:
                 model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
                 for c, n in ((1, a.n1), (16, a.n16)):
@@ -153,12 +168,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {k + 1}: {kind} done", flush=True)
     r["rss_mib"] = {}
     for q in ("auto", "none"):
-        proc = serve("nanoserve", bins, gguf, a.port, quantization=q)
+        proc = serve("nanoserve", bins, gguf, a.port, a.isa, quantization=q)
         try:
             r["rss_mib"][q] = rss_mib(url)
         finally:
             stop(proc)
-    (out / "llamacpp_side_by_side.json").write_text(json.dumps(r, indent=1) + "\n")
+    (out / f"llamacpp_side_by_side_{a.isa}.json").write_text(json.dumps(r, indent=1) + "\n")
     print(report(r))
     return 0
 
@@ -166,14 +181,17 @@ def main(argv: list[str] | None = None) -> int:
 def report(r: dict[str, Any]) -> str:
     nb, lb = r["nanoserve_bench"], r["llama_bench"]
     lines = [
+        f"--isa {r.get('isa', 'native')}: nanoserve's {nb.get('isa', '?')} kernels",
         f"batch-1 decode tok/s: nanoserve {nb['single_decode_tokens_per_s']}, llama-bench tg64 "
         f"{lb['tg64']} ({nb['single_decode_tokens_per_s'] / lb['tg64']:.2f}x); bound "
         f"{nb['bandwidth_bound_tokens_per_s']} ({nb['single_decode_tokens_per_s'] / nb['bandwidth_bound_tokens_per_s']:.0%} of it: "  # noqa: E501
         f"{nb.get('weight_mbytes', '?')} MB at {nb['copy_gbytes_per_s']} GB/s)",
         f"prefill: llama-bench pp128 {lb['pp128']} tok/s; 16 sequences: llama-batched-bench "
         f"TG {r['llama_batched_bench']['tg_tok_s']} tok/s",
-        f"offline nanoserve bench --n 64: {nb['output_tokens_per_s']} output tok/s, "
-        f"{nb['fraction_of_mm_peak']:.0%} of a 2048 mm's {nb['mm2048_gflops']} GFLOP/s",
+        f"offline nanoserve bench --n {nb['requests']}: {nb['output_tokens_per_s']} output "
+        f"tok/s ({nb['output_tokens_per_s'] / r['llama_batched_bench']['tg_tok_s']:.2f}x "
+        f"llama-batched-bench's TG), {nb['fraction_of_mm_peak']:.0%} of a 2048 mm's "
+        f"{nb['mm2048_gflops']} GFLOP/s",
         f"RSS after one request, MiB: nanoserve Q4_1 {r['rss_mib']['auto']}, float32 "
         f"{r['rss_mib']['none']}",
     ]
