@@ -96,6 +96,16 @@ _DENSE_FROM_ROWS = {"avx512": DENSE_FROM_ROWS, "avx2": DENSE_FROM_ROWS,
 
 def dense_from_rows(isa: str) -> int:
     return _DENSE_FROM_ROWS[isa]
+
+
+def quant_pays(isa: str) -> bool:
+    """Whether `--quantization auto` keeps a GGUF's blocks under instruction set `isa`: only
+    where its kernels beat float32 weights. The generic build (no AVX2: the compiler's
+    scalar byte-to-float conversions) lost at every row count, so there auto dequantizes
+    to float32 at load (SmolLM2's projections, ms, generic kernel against float32: 100 vs
+    37 at one row, 129 vs 73 at eight, 348 vs 108 at 32); AVX2 and AVX-512 win 1.8-7x
+    below 128 rows and tie above (scripts/bench_kernels.py)."""
+    return isa != "generic"
 # Up to this many rows the kernel dequantizes the weights in registers (csrc/quant.cpp's
 # kRegisterRows); between it and DENSE_FROM_ROWS, four weight rows at a time into L1. The
 # cost model (sim/capacity/cost.py) prices a row in that middle band apart.

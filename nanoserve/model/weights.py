@@ -50,7 +50,7 @@ def _quantized_weights(name: str, folder: Path, quantization: str, device: str, 
     from nanoserve.model.gguf import read_gguf_weights
     from nanoserve.model.llama import load_weights
     from nanoserve.model.loader import gguf_path
-    from nanoserve.model.quant import BLOCK_BYTES, quantize
+    from nanoserve.model.quant import BLOCK_BYTES, quant_pays, quantize
 
     if quantization == "none":
         return None
@@ -64,6 +64,13 @@ def _quantized_weights(name: str, folder: Path, quantization: str, device: str, 
     if quantization == "auto":
         if gguf is None:
             return None  # a float32 (or bf16) folder: nothing quantized to keep
+        kernels = native.kernels()
+        if kernels is not None and not quant_pays(kernels.isa):
+            logging.getLogger(__name__).info(
+                "--quantization auto: the %s kernels multiply quantized blocks more slowly "
+                "than float32 weights; using float32 (--quantization %s keeps the blocks)",
+                kernels.isa, "q4_1")
+            return None
         return read_gguf_weights(gguf, keep=frozenset(BLOCK_BYTES))
     # One format for every matrix: from the file's values (dequantized), by gguf-py.
     weights: dict[str, Any] = (read_gguf_weights(gguf, keep=frozenset()) if gguf is not None

@@ -34,21 +34,21 @@ using nanoserve::hsum;
 using nanoserve::kLanes;
 using nanoserve::load;
 using nanoserve::store;
-using nanoserve::v16;
+using nanoserve::vfloat;
 
 // s[i] = e^(s[i] - max s) / sum for i < n: a softmax in place. n is padded up to a multiple
 // of kLanes by the caller, the padding being -inf (e^-inf becomes e^-87, a 1e-38 weight,
 // and the padded values are never used).
 inline void softmax(float* __restrict s, int64_t n) {
-  v16 m = load(s);
+  vfloat m = load(s);
   for (int64_t i = kLanes; i < n; i += kLanes) {
-    const v16 x = load(s + i);
+    const vfloat x = load(s + i);
     m = x > m ? x : m;
   }
   const float max = hmax(m);
-  v16 sum = {};
+  vfloat sum = {};
   for (int64_t i = 0; i < n; i += kLanes) {
-    const v16 e = exp_nonpositive(load(s + i) - max);
+    const vfloat e = exp_nonpositive(load(s + i) - max);
     store(s + i, e);
     sum += e;
   }
@@ -69,10 +69,10 @@ void attend(const float* __restrict q, const float* __restrict k_cache,
     const int64_t n = std::min(block_size, ctx - pos);
     const float* kb = k_cache + table[pos / block_size] * block_size * slot_stride;
     for (int64_t j = 0; j < n; ++j) {
-      v16 key[kVecs];
+      vfloat key[kVecs];
       for (int64_t c = 0; c < kVecs; ++c) key[c] = load(kb + j * slot_stride + c * kLanes);
       for (int64_t g = 0; g < group; ++g) {
-        v16 acc = {};
+        vfloat acc = {};
         for (int64_t c = 0; c < kVecs; ++c) acc += load(q + g * kDim + c * kLanes) * key[c];
         scores[g * padded + pos + j] = hsum(acc) * scale;
       }
@@ -84,7 +84,7 @@ void attend(const float* __restrict q, const float* __restrict k_cache,
     softmax(s, padded);
   }
   for (int64_t g = 0; g < group; ++g) {
-    v16 acc[kVecs] = {};
+    vfloat acc[kVecs] = {};
     const float* s = scores + g * padded;
     for (int64_t pos = 0; pos < ctx; pos += block_size) {
       const int64_t n = std::min(block_size, ctx - pos);

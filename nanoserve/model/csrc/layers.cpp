@@ -25,7 +25,7 @@ using nanoserve::hsum;
 using nanoserve::kLanes;
 using nanoserve::load;
 using nanoserve::store;
-using nanoserve::v16;
+using nanoserve::vfloat;
 
 void check_rows(const at::Tensor& t, int64_t cols, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.size(1) == cols && t.scalar_type() == at::kFloat &&
@@ -58,10 +58,10 @@ void norm_rows(const at::Tensor& x, const at::Tensor* delta, const at::Tensor& w
       float* xr = xp + t * xs;
       const float* dr = dp != nullptr ? dp + t * ds : nullptr;
       float* orow = op + t * os;
-      v16 squares = {};
+      vfloat squares = {};
       int64_t c = 0;
       for (; c + kLanes <= cols; c += kLanes) {
-        v16 v = load(xr + c);
+        vfloat v = load(xr + c);
         if (dr != nullptr) {
           v += load(dr + c);
           store(xr + c, v);
@@ -149,7 +149,7 @@ void rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& 
       auto rotate = [&](const float* x, float* out) {
         int64_t i = 0;
         for (; i + kLanes <= half; i += kLanes) {
-          const v16 a = load(x + i), b = load(x + half + i);
+          const vfloat a = load(x + i), b = load(x + half + i);
           store(out + i, a * load(c + i) - b * load(s + i));
           store(out + half + i, b * load(c + half + i) + a * load(s + half + i));
         }
@@ -185,10 +185,10 @@ void silu_mul(const at::Tensor& gate_up, const at::Tensor& out) {
       float* o = op + t * os;
       int64_t i = 0;
       for (; i + kLanes <= inter; i += kLanes) {
-        const v16 x = load(g + i);
-        const v16 ax = x < 0.0f ? -x : x;
-        const v16 e = exp_nonpositive(-ax);  // e^-|x|, in (0, 1]
-        const v16 num = x < 0.0f ? x * e : x;  // x e^x / (1 + e^x) when x < 0
+        const vfloat x = load(g + i);
+        const vfloat ax = x < 0.0f ? -x : x;
+        const vfloat e = exp_nonpositive(-ax);  // e^-|x|, in (0, 1]
+        const vfloat num = x < 0.0f ? x * e : x;  // x e^x / (1 + e^x) when x < 0
         store(o + i, num / (1.0f + e) * load(g + inter + i));
       }
       for (; i < inter; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * g[inter + i];

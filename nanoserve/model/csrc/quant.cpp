@@ -41,18 +41,23 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 
+using nanoserve::vfloat;
+constexpr int kW = nanoserve::kLanes;  // floats per vector
+typedef vfloat vf;
 #ifdef NANOSERVE_AVX512
-constexpr int kW = 16;  // floats per vector
 // Tiles: 4 rows of x against 4 weight rows, 16 accumulators of the 32 registers.
 constexpr int kTileM = 4, kTileN = 4;
 #else
-constexpr int kW = 8;
 // 4 rows of x against 3 weight rows: 12 accumulators, 3 weights and one x in 16 registers
 // (4 x 4 would need 16 accumulators alone and spill).
 constexpr int kTileM = 4, kTileN = 3;
 #endif
-typedef float vf __attribute__((vector_size(kW * 4)));
 constexpr int kPer = kBlock / kW;  // vectors per block of 32 weights
+
+// The inner helpers must inline into the dot loops: left as calls (GCC does that to the
+// AVX2 dequantizers), every block's weights and accumulators go through the stack, and a
+// 3-row dot ran at half the speed of a 2-row one.
+#define NS_INLINE inline __attribute__((always_inline))
 
 // Up to this many rows of x the weights are dequantized in registers (gemv: 6-16 ms for the
 // 30 layers at 1-8 rows, against 9-20 ms for the other way), above it kTileN weight rows at
@@ -60,15 +65,15 @@ constexpr int kPer = kBlock / kW;  // vectors per block of 32 weights
 // 109 against 164 at 64; AVX-512).
 constexpr int64_t kRegisterRows = 8;  // quant.py's REGISTER_ROWS (the cost model's bands)
 
-inline vf vload(const float* p) {
+NS_INLINE vf vload(const float* p) {
   vf v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+NS_INLINE void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
-inline float vsum(vf v) {
+NS_INLINE float vsum(vf v) {
 #if defined(NANOSERVE_AVX512)
   return _mm512_reduce_add_ps((__m512)v);
 #elif defined(NANOSERVE_AVX2)
@@ -83,7 +88,7 @@ inline float vsum(vf v) {
 }
 
 // IEEE half -> float, exactly (normal, subnormal, zero, inf, nan).
-inline float half_to_float(const uint8_t* p) {
+NS_INLINE float half_to_float(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
 #if defined(NANOSERVE_AVX512) || defined(NANOSERVE_AVX2)
@@ -114,7 +119,7 @@ inline float half_to_float(const uint8_t* p) {
 // The 32 nibbles of a block as floats, in weight order: 0-15 are the low halves of the 16
 // bytes, 16-31 the high halves. GCC scalarises a byte-to-float vector conversion, hence the
 // intrinsics: a zero-extension and a conversion per vector.
-inline void nibbles(const uint8_t* qs, vf (&w)[kPer]) {
+NS_INLINE void nibbles(const uint8_t* qs, vf (&w)[kPer]) {
 #if defined(NANOSERVE_AVX512)
   const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
   const __m128i mask = _mm_set1_epi8(0x0f);
@@ -138,7 +143,7 @@ inline void nibbles(const uint8_t* qs, vf (&w)[kPer]) {
 #endif
 }
 
-inline void int8s(const uint8_t* p, vf (&w)[kPer]) {
+NS_INLINE void int8s(const uint8_t* p, vf (&w)[kPer]) {
 #if defined(NANOSERVE_AVX512)
   for (int j = 0; j < kPer; ++j) {
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * j));
@@ -159,7 +164,7 @@ inline void int8s(const uint8_t* p, vf (&w)[kPer]) {
 // Each format: dequant(block, w) gives the block's 32 weights as kPer vectors.
 struct Q4_0 {
   static constexpr int64_t kBytes = 18;
-  static void dequant(const uint8_t* b, vf (&w)[kPer]) {
+  NS_INLINE static void dequant(const uint8_t* b, vf (&w)[kPer]) {
     const vf d = vf{} + half_to_float(b);
     nibbles(b + 2, w);
     for (int j = 0; j < kPer; ++j) w[j] = d * (w[j] - 8.0f);  // q - 8 is exact; one rounding
@@ -168,7 +173,7 @@ struct Q4_0 {
 
 struct Q4_1 {
   static constexpr int64_t kBytes = 20;
-  static void dequant(const uint8_t* b, vf (&w)[kPer]) {
+  NS_INLINE static void dequant(const uint8_t* b, vf (&w)[kPer]) {
     const vf d = vf{} + half_to_float(b), m = vf{} + half_to_float(b + 2);
     nibbles(b + 4, w);
     for (int j = 0; j < kPer; ++j) w[j] = d * w[j] + m;
@@ -177,7 +182,7 @@ struct Q4_1 {
 
 struct Q8_0 {
   static constexpr int64_t kBytes = 34;
-  static void dequant(const uint8_t* b, vf (&w)[kPer]) {
+  NS_INLINE static void dequant(const uint8_t* b, vf (&w)[kPer]) {
     const vf d = vf{} + half_to_float(b);
     int8s(b + 2, w);
     for (int j = 0; j < kPer; ++j) w[j] = w[j] * d;
@@ -195,11 +200,13 @@ void dequant_row(const uint8_t* row, int64_t blocks, float* w) {
 
 // Independent accumulators per row of x in rows_dot: enough chains of fused multiply-adds
 // to hide their latency, few enough that R rows' of them, and a block's kPer weight
-// vectors, stay in registers. On AVX-512 always 2 (one per vector of a block).
+// vectors, stay in registers. On AVX-512 always 2 (one per vector of a block). On AVX2,
+// measured over SmolLM2's projections (scripts/bench_kernels.py): 4 at one row, 2 up to four
+// (1 or 4 at two rows: twice the time), 1 above (2 at five and six rows: no faster).
 template <int R>
 constexpr int accumulators() {
   if constexpr (kPer == 2) return 2;
-  return R <= 2 ? 4 : R <= 4 ? 2 : 1;
+  return R == 1 ? 4 : R <= 4 ? 2 : 1;
 }
 
 // R rows of x (R <= 8) against weight row `row`, the weights dequantized in registers and
@@ -256,21 +263,37 @@ void gemv(const float* x, int64_t M, int64_t xs, const uint8_t* blocks, int64_t 
   });
 }
 
-// out[r][i] = x[r] . w[i] for r < kTileM, i < kTileN; x rows `xs` apart, w rows K apart,
-// out rows `os`. kTileM + kTileN loads per kTileM * kTileN multiply-adds.
+// out[r][i] = x[r] . w[i] for r < TM, i < kTileN; x rows `xs` apart, w rows K apart, out
+// rows `os`. TM + kTileN loads per TM * kTileN multiply-adds. Each out[r][i] is one chain
+// of additions over k in order, whatever TM is: a row's values do not depend on whether it
+// fell in a full tile or in the remainder (TM < kTileM), which runs the same kernel so that
+// its kTileN chains still overlap (one dot at a time waited on its one chain: a 13th row
+// cost as much as four more rows on AVX2).
+template <int TM>
 inline void dot_tile(const float* x, int64_t xs, const float* w, int64_t K, float* out,
                      int64_t os) {
-  vf a[kTileM][kTileN] = {};
+  vf a[TM][kTileN] = {};
   for (int64_t k = 0; k < K; k += kW) {
     vf wv[kTileN];
     for (int i = 0; i < kTileN; ++i) wv[i] = vload(w + i * K + k);
-    for (int r = 0; r < kTileM; ++r) {
+    for (int r = 0; r < TM; ++r) {
       const vf xv = vload(x + r * xs + k);
       for (int i = 0; i < kTileN; ++i) a[r][i] += xv * wv[i];
     }
   }
-  for (int r = 0; r < kTileM; ++r) {
+  for (int r = 0; r < TM; ++r) {
     for (int i = 0; i < kTileN; ++i) out[r * os + i] = vsum(a[r][i]);
+  }
+}
+
+inline void dot_tile_rows(int64_t rows, const float* x, int64_t xs, const float* w, int64_t K,
+                          float* out, int64_t os) {
+  static_assert(kTileM == 4, "the remainder cases below cover 1 to kTileM - 1 rows");
+  switch (rows) {
+    case 1: return dot_tile<1>(x, xs, w, K, out, os);
+    case 2: return dot_tile<2>(x, xs, w, K, out, os);
+    case 3: return dot_tile<3>(x, xs, w, K, out, os);
+    default: return dot_tile<4>(x, xs, w, K, out, os);
   }
 }
 
@@ -293,10 +316,13 @@ void linear(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& out
       const float* w = buf.data();
       int64_t r = 0;
       if (rows == kTileN) {
-        for (; r + kTileM <= M; r += kTileM) dot_tile(xp + r * xs, xs, w, K, op + r * os + n0, os);
+        for (; r < M; r += kTileM) {
+          dot_tile_rows(std::min<int64_t>(kTileM, M - r), xp + r * xs, xs, w, K,
+                        op + r * os + n0, os);
+        }
       }
-      // The rest one dot at a time, each summed in the micro-kernel's order: a row's
-      // values do not depend on whether it fell in a tile.
+      // A partial tile (N not a multiple of kTileN, its last rows) one dot at a time, each
+      // summed in the micro-kernel's order.
       for (; r < M; ++r) {
         const float* xr = xp + r * xs;
         for (int64_t i = 0; i < rows; ++i) {

@@ -33,46 +33,52 @@
 
 namespace nanoserve {
 
-// 16 floats as one value: GCC's vector extension, lowered to one AVX-512 register, two
-// AVX2 ones or four SSE ones, whatever the build's flags offer. The lane arithmetic is the
-// same in every lowering. Written out because the compiler does not vectorize a float
-// reduction on its own (it may not reorder the additions).
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t i16 __attribute__((vector_size(64)));
+// kLanes floats as one value, the build's native register width: 16 (one AVX-512
+// register), or 8 (one AVX2 register; the generic build lowers it however the machine
+// can). GCC's vector extension, written out because the compiler does not vectorize a float
+// reduction on its own (it may not reorder the additions). A 16-float vector on AVX2, as
+// these kernels used before they had an AVX2 build, lowered badly there: SiLU took 9x and
+// decode attention 3x the time they take on AVX-512.
+#ifdef NANOSERVE_AVX512
 constexpr int64_t kLanes = 16;
+#else
+constexpr int64_t kLanes = 8;
+#endif
+typedef float vfloat __attribute__((vector_size(kLanes * 4)));
+typedef int32_t vint __attribute__((vector_size(kLanes * 4)));
 
-inline v16 load(const float* p) {
-  v16 v;
+inline vfloat load(const float* p) {
+  vfloat v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
 
-inline float hsum(v16 v) {
+inline float hsum(vfloat v) {
   float s = 0.0f;
   for (int64_t l = 0; l < kLanes; ++l) s += v[l];
   return s;
 }
 
-inline float hmax(v16 v) {
+inline float hmax(vfloat v) {
   float m = v[0];
   for (int64_t l = 1; l < kLanes; ++l) m = std::max(m, v[l]);
   return m;
 }
 
-// e^x for x <= 0, as softmax needs after subtracting the maximum, 16 at a time.
+// e^x for x <= 0, as softmax needs after subtracting the maximum, kLanes at a time.
 // x = n ln2 + r with |r| <= ln2/2; e^r by its Taylor series to r^7 (the next term is below
 // 6e-9 relative, under float32 rounding); 2^n put straight into the exponent bits.
-inline v16 exp_nonpositive(v16 x) {
-  const v16 lo = v16{} - 87.0f;  // keeps 2^n a normal float
+inline vfloat exp_nonpositive(vfloat x) {
+  const vfloat lo = vfloat{} - 87.0f;  // keeps 2^n a normal float
   x = x < lo ? lo : x;
   // n = round(x / ln2): adding and taking away 1.5 * 2^23 rounds to an integer.
-  const v16 magic = v16{} + 12582912.0f;
-  const v16 n = (x * 1.44269504088896341f + magic) - magic;
+  const vfloat magic = vfloat{} + 12582912.0f;
+  const vfloat n = (x * 1.44269504088896341f + magic) - magic;
   // ln2 split in two so that n * ln2_hi is exact.
-  const v16 r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  v16 p = v16{} + 1.0f / 5040.0f;
+  const vfloat r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  vfloat p = vfloat{} + 1.0f / 5040.0f;
   p = p * r + 1.0f / 720.0f;
   p = p * r + 1.0f / 120.0f;
   p = p * r + 1.0f / 24.0f;
@@ -80,8 +86,8 @@ inline v16 exp_nonpositive(v16 x) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  const i16 bits = (__builtin_convertvector(n, i16) + 127) << 23;
-  v16 scale;
+  const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
+  vfloat scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
 }
