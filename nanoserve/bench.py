@@ -106,14 +106,19 @@ def weight_numel(model: Model) -> int:
 
 
 def single_stream(model: Model, tok: Tokenizer, prompt: list[int], n: int) -> float:
-    """Decode tokens/s of one sequence alone (after its prefill step)."""
+    """Decode tokens/s of one sequence alone (after its prefill step), in steady state: one
+    short decode first, untimed, as llama-bench warms up (right after the yardsticks' 512 MB
+    copy the first decode ran 20% slower: fresh pages and cold caches)."""
     engine = Engine(model, tok, EngineConfig())
-    engine.add_request(prompt, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n))
-    engine.step()  # the prefill, and the first token
-    t0 = time.perf_counter()
-    while engine.has_unfinished():
-        engine.step()
-    return (n - 1) / (time.perf_counter() - t0)
+    for tokens in (min(n, 8), n):
+        engine.add_request(prompt, SamplingParams(temperature=0.0, ignore_eos=True,
+                                                  max_tokens=tokens))
+        engine.step()  # the prefill, and the first token
+        t0 = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        seconds = time.perf_counter() - t0
+    return (n - 1) / seconds
 
 
 def _load(a: argparse.Namespace) -> tuple[Model, Tokenizer]:
