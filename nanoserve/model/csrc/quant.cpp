@@ -206,11 +206,8 @@ void dequant_row(const uint8_t* row, int64_t blocks, float* w) {
 template <int R>
 constexpr int accumulators() {
   if constexpr (kPer == 2) return 2;
-  return R <= 4 ? 2 : 1;
+  return R == 1 ? 4 : R <= 4 ? 2 : 1;
 }
-
-// Batch-1 rows in pairs (pair_dot) on AVX2; AVX-512 keeps one row at a time.
-constexpr bool kPairRows = kPer == 4;
 
 // R rows of x (R <= 8) against weight row `row`, the weights dequantized in registers and
 // used at once: nothing goes through memory but the blocks and x (which stays in L1).
@@ -252,45 +249,12 @@ void rows_dot_any(int r, const float* x, int64_t xs, const uint8_t* row, int64_t
 // Every row of x against every weight row, eight rows of x at a time. Each block is
 // dequantized once per eight rows of x; at one row (batch-1 decode) each weight byte is
 // read once.
-// One row of x against two weight rows at once: each x vector loaded once for both, and
-// two independent dequantizations in flight. Each output summed exactly as rows_dot<F, 1>
-// sums it (the same accumulators), so a weight row's value does not depend on its pairing.
-template <class F>
-inline void pair_dot(const float* x, const uint8_t* row0, const uint8_t* row1, int64_t nb,
-                     float* out) {
-  constexpr int A = accumulators<1>();
-  vf a[A] = {}, c[A] = {};
-  for (int64_t b = 0; b < nb; ++b) {
-    vf w0[kPer], w1[kPer];
-    F::dequant(row0 + b * F::kBytes, w0);
-    F::dequant(row1 + b * F::kBytes, w1);
-    for (int j = 0; j < kPer; ++j) {
-      const vf xv = vload(x + b * kBlock + j * kW);
-      a[j % A] += xv * w0[j];
-      c[j % A] += xv * w1[j];
-    }
-  }
-  vf s = a[0], t = c[0];
-  for (int i = 1; i < A; ++i) {
-    s += a[i];
-    t += c[i];
-  }
-  out[0] = vsum(s);
-  out[1] = vsum(t);
-}
-
 template <class F>
 void gemv(const float* x, int64_t M, int64_t xs, const uint8_t* blocks, int64_t nb,
           int64_t N, float* out, int64_t os) {
   const int64_t row_bytes = nb * F::kBytes;
   at::parallel_for(0, N, 32, [&](int64_t begin, int64_t end) {
-    int64_t n = begin;
-    if (M == 1 && kPairRows) {
-      for (; n + 2 <= end; n += 2) {
-        pair_dot<F>(x, blocks + n * row_bytes, blocks + (n + 1) * row_bytes, nb, out + n);
-      }
-    }
-    for (; n < end; ++n) {
+    for (int64_t n = begin; n < end; ++n) {
       for (int64_t r = 0; r < M; r += 8) {
         rows_dot_any<F>(static_cast<int>(std::min<int64_t>(8, M - r)), x + r * xs, xs,
                         blocks + n * row_bytes, nb, out + r * os + n, os);
