@@ -120,19 +120,23 @@ NS_INLINE float half_to_float(const uint8_t* p) {
 // bytes, 16-31 the high halves. GCC scalarises a byte-to-float vector conversion, hence the
 // intrinsics: a zero-extension and a conversion per vector.
 NS_INLINE void nibbles(const uint8_t* qs, vf (&w)[kPer]) {
+// Whole bytes are widened to 32 bits straight from memory (the load folds into the
+// widening), then each byte's low half taken by a mask and its high half by a shift: on
+// AVX2 two shuffles where splitting the nibbles first took six (batch-1 decode 6.4 against
+// 8.0 ms a token, d and m below included).
 #if defined(NANOSERVE_AVX512)
-  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m128i mask = _mm_set1_epi8(0x0f);
-  w[0] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, mask)));
-  w[1] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), mask)));
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  w[0] = (vf)_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0f)));
+  w[1] = (vf)_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
 #elif defined(NANOSERVE_AVX2)
-  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m128i mask = _mm_set1_epi8(0x0f);
-  const __m128i lo = _mm_and_si128(q, mask), hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
-  w[0] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-  w[1] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-  w[2] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-  w[3] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+  const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs)));
+  const __m256i b1 =
+      _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8)));
+  const __m256i mask = _mm256_set1_epi32(0x0f);
+  w[0] = (vf)_mm256_cvtepi32_ps(_mm256_and_si256(b0, mask));
+  w[1] = (vf)_mm256_cvtepi32_ps(_mm256_and_si256(b1, mask));
+  w[2] = (vf)_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
+  w[3] = (vf)_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
 #else
   for (int j = 0; j < kPer; ++j) {
     for (int l = 0; l < kW; ++l) {
@@ -174,7 +178,19 @@ struct Q4_0 {
 struct Q4_1 {
   static constexpr int64_t kBytes = 20;
   NS_INLINE static void dequant(const uint8_t* b, vf (&w)[kPer]) {
+#if defined(NANOSERVE_AVX2) || defined(NANOSERVE_AVX512)
+    // d and m, adjacent halves, converted by one instruction.
+    uint32_t dm;
+    std::memcpy(&dm, b, 4);
+    const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dm)));  // [d, m, 0, 0]
+#if defined(NANOSERVE_AVX512)
+    const vf d = (vf)_mm512_broadcastss_ps(f), m = (vf)_mm512_broadcastss_ps(_mm_movehdup_ps(f));
+#else
+    const vf d = (vf)_mm256_broadcastss_ps(f), m = (vf)_mm256_broadcastss_ps(_mm_movehdup_ps(f));
+#endif
+#else
     const vf d = vf{} + half_to_float(b), m = vf{} + half_to_float(b + 2);
+#endif
     nibbles(b + 4, w);
     for (int j = 0; j < kPer; ++j) w[j] = d * w[j] + m;
   }
