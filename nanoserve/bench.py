@@ -69,6 +69,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="print where the run's CPU time goes, by operator (slows the run)")
     p.add_argument("--single-tokens", type=int, default=64,
                    help="output tokens of the batch-1 decode measurement (0 skips it)")
+    p.add_argument("--batched-seqs", type=int, default=16,
+                   help="sequences of the batched decode measurement, 128-token prompts and "
+                        "64 tokens out, prefill excluded: llama-batched-bench's TG (0 skips)")
     p.add_argument("--quiet", action="store_true", help="no progress bar (shown on a terminal)")
 
 
@@ -119,6 +122,26 @@ def single_stream(model: Model, tok: Tokenizer, prompt: list[int], n: int) -> fl
             engine.step()
         seconds = time.perf_counter() - t0
     return (n - 1) / seconds
+
+
+def batched_decode(model: Model, tok: Tokenizer, seqs: int, prompt_len: int, n: int,
+                   seed: int = 0) -> float:
+    """Decode tokens/s of `seqs` sequences together, prefill excluded: llama-batched-bench's
+    TG figure (`-npp prompt_len -ntg n -npl seqs`). Every prompt is prefilled first (untimed),
+    then the decode-only steps that produce the other n - 1 tokens of each are timed."""
+    rng = random.Random(seed)
+    engine = Engine(model, tok, EngineConfig(max_num_seqs=seqs,
+                                             max_num_batched_tokens=seqs * prompt_len))
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n)
+    for _ in range(seqs):
+        engine.add_request([rng.randrange(100, model.config.vocab_size - 100)
+                            for _ in range(prompt_len)], params)
+    while engine.step().num_prefill_tokens:  # the prefill steps (each also samples a token)
+        pass
+    decoded, t0 = seqs, time.perf_counter()  # the step that ended the loop decoded them all
+    while engine.has_unfinished():
+        decoded += engine.step().num_decode_tokens
+    return (decoded - seqs) / (time.perf_counter() - t0) if decoded > seqs else 0.0
 
 
 def _load(a: argparse.Namespace) -> tuple[Model, Tokenizer]:
@@ -194,5 +217,11 @@ def run(a: argparse.Namespace) -> dict[str, float | int | str]:
         print(f"batch 1: {single:.1f} decode tok/s; bandwidth bound {bound:.1f} tok/s "
               f"({weight_bytes / 1e6:.0f} MB of weights at {bw / 1e9:.1f} GB/s), "
               f"{bound / single:.2f}x away")
+    if a.batched_seqs > 0 and a.model != "stub":
+        tg = batched_decode(model, tok, a.batched_seqs, 128, 64)
+        result["batched_decode_tokens_per_s"] = round(tg, 2)
+        result["batched_seqs"] = a.batched_seqs
+        print(f"{a.batched_seqs} sequences (128-token prompts, 64 out): {tg:.1f} decode tok/s, "
+              f"prefill excluded")
     print(json.dumps(result))
     return result
