@@ -199,6 +199,7 @@ def _load(isa: str) -> Kernels | None:
         log.warning("native kernels: the %s build reports %s; using stock PyTorch ops",
                     isa, built)
         return None
+    log.info("nanoserve's CPU kernels: %s (this CPU runs %s)", isa, ", ".join(supported()))
     return Kernels(isa, ops)
 
 
