@@ -13,6 +13,11 @@ tensor copy, measured right before it). The mm is timed before and after the run
 faster taken: one timing in a slow minute once came out at half speed, which made the run
 look twice as good. `--pack off` runs the same workload without pre-packed weights, for an
 old-versus-new comparison.
+
+Two more lines measure what llama.cpp's benchmarks measure, for a side by side on the same
+terms (sim/bench/llamacpp.py): batch-1 decode (`llama-bench -n`), and 16 sequences of
+128-token prompts decoding 64 tokens with the prefill excluded (`llama-batched-bench`'s TG).
+The first line names the instruction set the kernels run (NANOSERVE_ISA forces one).
 """
 
 from __future__ import annotations

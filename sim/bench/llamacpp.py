@@ -8,7 +8,9 @@ on 2 threads:
 - batch-1 decode: `llama-bench -t 2 -p 128 -n 64` against `nanoserve bench`'s batch-1 line,
   with the bound it is measured against (quantized weight bytes over the bandwidth of a
   large copy, measured in the same process), and the offline figure beside it;
-- 16 sequences: `llama-batched-bench -npp 128 -ntg 64 -npl 16` (for the record);
+- 16 sequences: `llama-batched-bench -npp 128 -ntg 64 -npl 16`'s decode (TG) against
+  `nanoserve bench`'s batched decode line, the same shape with prefill excluded on both,
+  and against the offline `nanoserve bench --n 32` figure, which counts its prefill;
 - online, streaming, 128-token prompts and 64 output tokens: `sim bench` at 1 and at 16
   concurrent clients against `llama-server -np 16` and `nanoserve serve`, one server at a
   time, in `--rounds` alternating rounds; and GuideLLM against both where
@@ -186,8 +188,9 @@ def report(r: dict[str, Any]) -> str:
         f"{lb['tg64']} ({nb['single_decode_tokens_per_s'] / lb['tg64']:.2f}x); bound "
         f"{nb['bandwidth_bound_tokens_per_s']} ({nb['single_decode_tokens_per_s'] / nb['bandwidth_bound_tokens_per_s']:.0%} of it: "  # noqa: E501
         f"{nb.get('weight_mbytes', '?')} MB at {nb['copy_gbytes_per_s']} GB/s)",
-        f"prefill: llama-bench pp128 {lb['pp128']} tok/s; 16 sequences: llama-batched-bench "
-        f"TG {r['llama_batched_bench']['tg_tok_s']} tok/s",
+        f"prefill: llama-bench pp128 {lb['pp128']} tok/s; 16 sequences' decode, prefill "
+        f"excluded: nanoserve {nb.get('batched_decode_tokens_per_s', '?')} tok/s, "
+        f"llama-batched-bench TG {r['llama_batched_bench']['tg_tok_s']} tok/s",
         f"offline nanoserve bench --n {nb['requests']}: {nb['output_tokens_per_s']} output "
         f"tok/s ({nb['output_tokens_per_s'] / r['llama_batched_bench']['tg_tok_s']:.2f}x "
         f"llama-batched-bench's TG), {nb['fraction_of_mm_peak']:.0%} of a 2048 mm's "
