@@ -41,6 +41,8 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 
+using nanoserve::load;
+using nanoserve::store;
 using nanoserve::vfloat;
 constexpr int kW = nanoserve::kLanes;  // floats per vector
 typedef vfloat vf;
@@ -64,14 +66,6 @@ constexpr int kPer = kBlock / kW;  // vectors per block of 32 weights
 // a time into L1 for the micro-kernel (36 against 39 ms at 16 rows, 57 against 80 at 32,
 // 109 against 164 at 64; AVX-512).
 constexpr int64_t kRegisterRows = 8;  // quant.py's REGISTER_ROWS (the cost model's bands)
-
-NS_INLINE vf vload(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-NS_INLINE void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
 NS_INLINE float vsum(vf v) {
 #if defined(NANOSERVE_AVX512)
@@ -210,7 +204,7 @@ void dequant_row(const uint8_t* row, int64_t blocks, float* w) {
   for (int64_t b = 0; b < blocks; ++b) {
     vf v[kPer];
     F::dequant(row + b * F::kBytes, v);
-    for (int j = 0; j < kPer; ++j) vstore(w + b * kBlock + j * kW, v[j]);
+    for (int j = 0; j < kPer; ++j) store(w + b * kBlock + j * kW, v[j]);
   }
 }
 
@@ -237,7 +231,7 @@ inline void rows_dot(const float* x, int64_t xs, const uint8_t* row, int64_t nb,
     F::dequant(row + b * F::kBytes, w);
     const float* xb = x + b * kBlock;
     for (int r = 0; r < R; ++r) {
-      for (int j = 0; j < kPer; ++j) a[r][j % A] += vload(xb + r * xs + j * kW) * w[j];
+      for (int j = 0; j < kPer; ++j) a[r][j % A] += load(xb + r * xs + j * kW) * w[j];
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -291,9 +285,9 @@ inline void dot_tile(const float* x, int64_t xs, const float* w, int64_t K, floa
   vf a[TM][kTileN] = {};
   for (int64_t k = 0; k < K; k += kW) {
     vf wv[kTileN];
-    for (int i = 0; i < kTileN; ++i) wv[i] = vload(w + i * K + k);
+    for (int i = 0; i < kTileN; ++i) wv[i] = load(w + i * K + k);
     for (int r = 0; r < TM; ++r) {
-      const vf xv = vload(x + r * xs + k);
+      const vf xv = load(x + r * xs + k);
       for (int i = 0; i < kTileN; ++i) a[r][i] += xv * wv[i];
     }
   }
@@ -344,7 +338,7 @@ void linear(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& out
         for (int64_t i = 0; i < rows; ++i) {
           const float* wi = w + i * K;
           vf a = {};
-          for (int64_t k = 0; k < K; k += kW) a += vload(xr + k) * vload(wi + k);
+          for (int64_t k = 0; k < K; k += kW) a += load(xr + k) * load(wi + k);
           op[r * os + n0 + i] = vsum(a);
         }
       }

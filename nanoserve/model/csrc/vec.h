@@ -47,13 +47,17 @@ constexpr int64_t kLanes = 8;
 typedef float vfloat __attribute__((vector_size(kLanes * 4)));
 typedef int32_t vint __attribute__((vector_size(kLanes * 4)));
 
-inline vfloat load(const float* p) {
+// Forced inline, as every helper of the hot loops must be: GCC left some of the AVX2 ones
+// as calls, and each block's vectors then went through the stack.
+inline __attribute__((always_inline)) vfloat load(const float* p) {
   vfloat v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
+inline __attribute__((always_inline)) void store(float* p, vfloat v) {
+  std::memcpy(p, &v, sizeof v);
+}
 
 inline float hsum(vfloat v) {
   float s = 0.0f;
