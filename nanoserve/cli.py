@@ -25,6 +25,17 @@ def _generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def _check_isa() -> None:
+    """NANOSERVE_ISA, if set, names an instruction set this CPU runs: judged before any
+    model loads or port binds, as every other setting is."""
+    from nanoserve.model import native
+
+    try:
+        native.isa()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="nanoserve")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -47,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     level = getattr(a, "log_level", "info").upper()
     logging.basicConfig(level=getattr(logging, level), format=fmt)
     try:
+        _check_isa()
         if a.cmd == "generate":
             return _generate(a)
         if a.cmd == "bench":

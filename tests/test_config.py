@@ -87,3 +87,18 @@ def test_kv_geometry_reads_the_gguf_as_the_loaded_model_sees_it() -> None:
     assert (context, per_token) == (c.max_position_embeddings, c.kv_bytes_per_token(4))
     assert kv_geometry("smollm2", "bfloat16") == (context, per_token // 2)
     assert kv_geometry("stub") == (8192, 0)
+
+
+@pytest.mark.parametrize(("isa", "line"), [
+    ("avx9", "nanoserve bench: error: NANOSERVE_ISA must be one of avx512, avx2, generic, "
+             "got 'avx9'"),
+])
+def test_a_bad_nanoserve_isa_is_one_line_and_exit_2(isa: str, line: str) -> None:
+    import os
+
+    got = subprocess.run([sys.executable, "-m", "nanoserve.cli", "bench", "--model", "stub"],
+                         capture_output=True, text=True, timeout=300, check=False,
+                         env={**os.environ, "NANOSERVE_ISA": isa})
+    assert got.returncode == 2
+    assert got.stderr == line + "\n"
+    assert got.stdout == ""

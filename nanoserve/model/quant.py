@@ -65,11 +65,16 @@ class QuantWeight:
         return QuantWeight(torch.cat([p.blocks for p in parts]), parts[0].format, parts[0].cols)
 
 
-def _ops(kernels: Kernels | None) -> Any:
+def _kernels(kernels: Kernels | None) -> Kernels:
+    """`kernels`, else this CPU's; quantized weights cannot run without them."""
     k = kernels or native.kernels()
     if k is None:
         raise RuntimeError("quantized weights need nanoserve's native kernels (model/native.py)")
-    return k.ops
+    return k
+
+
+def _ops(kernels: Kernels | None) -> Any:
+    return _kernels(kernels).ops
 
 
 def quantize(weight: torch.Tensor, fmt: str) -> QuantWeight:
@@ -88,8 +93,9 @@ def quantize(weight: torch.Tensor, fmt: str) -> QuantWeight:
 # 110-134 against 112-131, 128 rows 116-134 against 131-156, 512 rows 130-135 against
 # 159-191 (for the 3072x576, 576x1536 and 960x576 projections).
 DENSE_FROM_ROWS = 128
-# The same threshold by instruction set (model/native.py): measured per set, since the
-# kernel's speed against the float32 GEMM differs between them.
+# The same threshold by instruction set (model/native.py), measured on each
+# (scripts/bench_kernels.py): on AVX2 as on AVX-512 the kernel ties dequantize + sgemm at
+# 128 rows and loses above; generic does not keep quantized weights under auto.
 _DENSE_FROM_ROWS = {"avx512": DENSE_FROM_ROWS, "avx2": DENSE_FROM_ROWS,
                     "generic": DENSE_FROM_ROWS}
 
@@ -107,7 +113,7 @@ def quant_pays(isa: str) -> bool:
     below 128 rows and tie above (scripts/bench_kernels.py)."""
     return isa != "generic"
 # Up to this many rows the kernel dequantizes the weights in registers (csrc/quant.cpp's
-# kRegisterRows); between it and DENSE_FROM_ROWS, four weight rows at a time into L1. The
+# kRegisterRows); between it and DENSE_FROM_ROWS, a few weight rows at a time into L1. The
 # cost model (sim/capacity/cost.py) prices a row in that middle band apart.
 REGISTER_ROWS = 8
 
@@ -127,7 +133,7 @@ class Scratch:
 
 class QuantProj:
     """A projection x [T, in] -> [T, out] over a quantized weight [out, in]: nanoserve's
-    kernel (weights dequantized in registers, or four rows at a time into L1) below
+    kernel (weights dequantized in registers, or a few rows at a time into L1) below
     DENSE_FROM_ROWS rows, the whole weight dequantized into `scratch` for MKL's sgemm from
     there. Either way the weights are the same values; only the order of additions differs."""
 
@@ -137,9 +143,7 @@ class QuantProj:
                  kernels: Kernels | None = None) -> None:
         self.weight = weight
         self.scratch = scratch or Scratch()
-        k = kernels or native.kernels()
-        if k is None:
-            raise RuntimeError("quantized weights need nanoserve's native kernels")
+        k = _kernels(kernels)
         self.ops = k.ops  # the instruction set's kernels it runs on
         self.dense_from = dense_from_rows(k.isa)
 
