@@ -133,7 +133,7 @@ def batched_decode(model: Model, tok: Tokenizer, seqs: int, prompt_len: int, n: 
                    seed: int = 0) -> float:
     """Decode tokens/s of `seqs` sequences together, prefill excluded: llama-batched-bench's
     TG figure (`-npp prompt_len -ntg n -npl seqs`). Every prompt is prefilled first (untimed),
-    then the decode-only steps that produce the other n - 1 tokens of each are timed."""
+    then the decode-only steps after the first are timed and their tokens counted."""
     rng = random.Random(seed)
     engine = Engine(model, tok, EngineConfig(max_num_seqs=seqs,
                                              max_num_batched_tokens=seqs * prompt_len))
@@ -141,12 +141,12 @@ def batched_decode(model: Model, tok: Tokenizer, seqs: int, prompt_len: int, n: 
     for _ in range(seqs):
         engine.add_request([rng.randrange(100, model.config.vocab_size - 100)
                             for _ in range(prompt_len)], params)
-    while engine.step().num_prefill_tokens:  # the prefill steps (each also samples a token)
+    while engine.step().num_prefill_tokens:  # untimed: the prefill, then one decode step
         pass
-    decoded, t0 = seqs, time.perf_counter()  # the step that ended the loop decoded them all
+    decoded, t0 = 0, time.perf_counter()
     while engine.has_unfinished():
         decoded += engine.step().num_decode_tokens
-    return (decoded - seqs) / (time.perf_counter() - t0) if decoded > seqs else 0.0
+    return decoded / (time.perf_counter() - t0) if decoded else 0.0
 
 
 def _load(a: argparse.Namespace) -> tuple[Model, Tokenizer]:

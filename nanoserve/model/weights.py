@@ -68,8 +68,8 @@ def _quantized_weights(name: str, folder: Path, quantization: str, device: str, 
         if kernels is not None and not quant_pays(kernels.isa):
             logging.getLogger(__name__).info(
                 "--quantization auto: the %s kernels multiply quantized blocks more slowly "
-                "than float32 weights; using float32 (--quantization %s keeps the blocks)",
-                kernels.isa, "q4_1")
+                "than float32 weights; using float32 (--quantization q8_0, q4_0 or q4_1 "
+                "quantizes anyway)", kernels.isa)
             return None
         return read_gguf_weights(gguf, keep=frozenset(BLOCK_BYTES))
     # One format for every matrix: from the file's values (dequantized), by gguf-py.
