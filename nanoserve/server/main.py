@@ -132,7 +132,16 @@ def run(a: argparse.Namespace) -> int:
     cfg = engine_config(a)
     check_fits(a, cfg)
     recorder = _recorder(a)
-    return trio.run(_serve, a, cfg, server_config(a), recorder)
+    return exit_code(trio.run(_serve, a, cfg, server_config(a), recorder), recorder, a.record)
+
+
+def exit_code(code: int, recorder: Recorder | None, record: str | None) -> int:
+    """A recording that lost something is a failed run, however well the serving went."""
+    if recorder is not None and recorder.failed:
+        log.error("--record %s: the recording is incomplete (the errors above name what was "
+                  "lost)", record)
+        return code or 1
+    return code
 
 
 def check_fits(a: argparse.Namespace, cfg: EngineConfig) -> None:
@@ -221,7 +230,10 @@ def _recorder(a: argparse.Namespace) -> Recorder | None:
     recorder_class = next(iter(found)).load()
     log.info("recording traffic to %s%s", a.record, " (prompts redacted)"
              if a.record_redact else "")
-    recorder: Recorder = recorder_class(a.record, weights=a.model, redact=a.record_redact)
+    try:  # the recorder creates its file now, so a path it cannot write fails before the bind
+        recorder: Recorder = recorder_class(a.record, weights=a.model, redact=a.record_redact)
+    except OSError as exc:
+        raise ConfigError(f"--record {a.record}: {exc.strerror or exc}") from None
     return recorder
 
 

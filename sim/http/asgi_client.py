@@ -105,11 +105,13 @@ class AsgiClient:
         self._app = app
         self._nursery = nursery
 
-    def start(self, path: str, body: Any, send_bytes: int | None = None) -> Exchange:
-        """POST `body` as JSON to `path`; the app's task starts at the next checkpoint. With
-        `send_bytes`, the Content-Length announces the whole body but only its first
-        `send_bytes` bytes are sent, and nothing after them (a client that stalls)."""
-        raw = json.dumps(body, ensure_ascii=False).encode()
+    def start(self, path: str, body: Any, send_bytes: int | None = None,
+              raw_body: bytes | None = None) -> Exchange:
+        """POST `body` as JSON to `path` (or `raw_body`, the exact bytes, where a trace kept
+        them); the app's task starts at the next checkpoint. With `send_bytes`, the
+        Content-Length announces the whole body but only its first `send_bytes` bytes are
+        sent, and nothing after them (a client that stalls)."""
+        raw = raw_body if raw_body is not None else json.dumps(body, ensure_ascii=False).encode()
         headers = [(b"content-type", b"application/json"),
                    (b"content-length", str(len(raw)).encode())]
         to_app, app_in = trio.open_memory_channel[Message](math.inf)

@@ -1,9 +1,15 @@
-"""`nanoserve serve --record FILE`: live traffic written as a trace that `sim replay` repeats.
+"""`nanoserve serve --record`: live traffic written as a trace that `sim replay` repeats.
 
 The recorder listens at two layers (nanoserve.serving.BridgeRecorder for the steps,
-nanoserve.server.recording for the HTTP exchanges) and writes the trace once, at shutdown,
-after the bridge has closed: only then are the expectation lines known. The file is written
-whole to a temporary name and renamed, so a reader never sees half a trace.
+nanoserve.server.recording for the HTTP exchanges). It appends to the file as it goes
+(sim/trace/journal.py: a request's line when a boundary takes it, its client and its
+expectation once it has ended, each line handed to the kernel whole), so a kill or a crash
+keeps everything recorded before it, and the file says it is unfinished until `close`
+rewrites it as the canonical trace (a temporary file renamed over it), once the bridge has
+closed and the `end` line is known. A body strict JSON cannot hold (a NaN, a lone surrogate,
+no object at all), which the server refuses, is recorded as the bytes the client sent
+(`body_base64`), so one bad request never costs the others. Whatever still cannot be written
+is logged with the request it belonged to, and `serve` exits 1.
 
 Every time in the trace is a step boundary, taken from the bridge, never from a clock:
 
@@ -29,10 +35,10 @@ uses: token
 ids and steps are the engine's (from the bridge's updates), status, error, text and frames
 are the client's (parsed from the bytes the transport took). Left out, because a replay
 cannot repeat them: requests refused with 503 while the server was loading or draining, a
-body that is not a JSON object, and a request still queued when the server stopped.
+body a 408 or 413 cut short, and a request still queued when the server stopped.
 
-Everything is held in memory until shutdown: this is for recording sessions, not for a
-server that runs for weeks.
+The exchanges are also held in memory until shutdown, for the canonical trace: this is for
+recording sessions, not for a server that runs for weeks.
 """
 
 from __future__ import annotations
@@ -47,39 +53,62 @@ from typing import TYPE_CHECKING, Any
 
 from nanoserve.model.loader import resolve_model
 from nanoserve.request import Update
-from sim.record.trace import Completion, EngineRequest, Exchange, order, request_line
+from sim.record.trace import (
+    Completion,
+    EngineRequest,
+    Exchange,
+    json_body,
+    order,
+    request_line,
+)
 from sim.record.wire import parse_wire
 from sim.trace.expect import EndOutcome, Outcome, RequestOutcome, expectation_lines
-from sim.trace.format import Trace, TraceHeader, TraceRequest
-from sim.trace.write import write_trace
+from sim.trace.format import ClientSpec, Expectation, Trace, TraceHeader, TraceRequest
+from sim.trace.journal import AMEND, INCOMPLETE, ORDER, JournalWriter
+from sim.trace.write import (
+    client_object,
+    dumps_line,
+    expectation_object,
+    header_object,
+    request_object,
+    write_trace,
+)
 
 if TYPE_CHECKING:
     from nanoserve.engine import Engine
     from nanoserve.server.config import ServerConfig
     from nanoserve.serving import AsyncEngine
+    from sim.record.redact import Redactor
 
 log = logging.getLogger("sim.record")
 
 
 class TraceRecorder:
-    """Implements server.recording.Recorder; `close` writes the trace to `path`."""
+    """Implements server.recording.Recorder: appends to `path` as it records (journal.py)
+    and, at `close`, rewrites it as the canonical trace."""
 
     def __init__(self, path: str | os.PathLike[str], *, weights: str | None = None,
                  redact: bool = False, note: str | None = None) -> None:
-        """`weights`: `serve --model`'s value, whose digest (`model_sha256`) is looked up
-        when the trace is written, not at start-up, which must not wait for it."""
+        """`weights`: `serve --model`'s value, whose digest (`model_sha256`) goes in the
+        header. The file is created here, so a path that cannot be written fails before the
+        server binds (OSError)."""
         self.path = Path(path)
         self.weights = weights
         self.redact = redact
         self.note = note
         self.trace: Trace | None = None  # set by close()
+        self.failed = False  # a request or the trace could not be recorded (logged)
+        self._journal: JournalWriter | None = JournalWriter(self.path)
         self._bridge: AsyncEngine | None = None
         self._engine_header: dict[str, Any] = {}
         self._model = ""
         self._tokenizer: Any = None
+        self._redactor: Redactor | None = None
         self._exchanges: list[Exchange] = []
         self._live: dict[str, EngineRequest] = {}  # engine id -> its record, latest first
+        self._owner: dict[str, Exchange] = {}  # engine id -> its exchange, likewise
         self._arrivals = itertools.count()
+        self._written = itertools.count(1)
 
     # -- the server's side -----------------------------------------------------------------
 
@@ -88,6 +117,15 @@ class TraceRecorder:
         self._model = config.served_model_name
         self._tokenizer = engine.tokenizer
         self._engine_header = engine_header(engine, config.max_queue)
+        if self.redact:
+            from sim.record.redact import Redactor
+
+            self._redactor = Redactor(engine.tokenizer)
+        head = header_object(self._header(self.note or "recorded by nanoserve serve --record"))
+        head[INCOMPLETE] = ("the recording has not finished (the server is running, or was "
+                            "stopped before it wrote the whole trace); sim replay replays "
+                            "what it holds")
+        self._append(head, "the header")
 
     def steps(self) -> int:
         """Steps run and delivered so far: the boundary an HTTP event falls before."""
@@ -98,9 +136,10 @@ class TraceRecorder:
         self._exchanges.append(ex)
         return ex
 
-    def track(self, request_id: str) -> EngineRequest:
+    def track(self, request_id: str, ex: Exchange) -> EngineRequest:
         # A client may reuse an X-Request-Id once the first one has ended: the newest wins.
         req = self._live[request_id] = EngineRequest()
+        self._owner[request_id] = ex
         return req
 
     def boundary(self, step: int, aborted: Sequence[str], arrived: Sequence[str]) -> None:
@@ -108,10 +147,14 @@ class TraceRecorder:
             req = self._live.get(rid)
             if req is not None and req.abort_step is None:
                 req.abort_step = step
+                self._hung_up(self._owner[rid], step)
         for rid in arrived:
             req = self._live.get(rid)
             if req is not None:
                 req.at_step, req.arrival = step, next(self._arrivals)
+                ex = self._owner[rid]
+                if ex.engine and ex.engine[0] is req:
+                    self._write_request(ex)
 
     def update(self, step: int, update: Update) -> None:
         req = self._live.get(update.request_id)
@@ -124,19 +167,120 @@ class TraceRecorder:
             req.last_step = step
         if update.finished:
             c.finish_reason = update.finish_reason
+            req.ended += 1
             if update.finish_reason == "abort" and req.abort_step is None:
                 req.abort_step = step  # an abort at shutdown comes without a boundary
         if update.text or (update.finished and update.finish_reason != "abort"):
             req.frame_steps.append(step)
+        if update.finished:
+            self.finished(self._owner[update.request_id])
+
+    def refused(self, ex: Exchange) -> None:
+        """A request answered without reaching the engine: its line is written as its status
+        goes out, so a client that has its answer finds it in the file."""
+        if ex.journal_id is None:
+            self._write_request(ex)
+
+    def finished(self, ex: Exchange) -> None:
+        """Write the exchange's outcome once it has ended (journal.py: the amended client
+        and the expectation; for a request refused before the engine, its line too)."""
+        if not ex.ended() or ex.journal_id == "":
+            return
+        if not ex.engine and ex.journal_id is None:
+            self._write_request(ex)
+        if ex.journal_id is None:
+            return  # nothing a replay can repeat (order() says why)
+        jid, ex.journal_id = ex.journal_id, ""  # "": its outcome is written
+        try:
+            wire = parse_wire(ex.status, b"".join(c for _, c in ex.chunks),
+                              json_body(bytes(ex.body_bytes))[0].get("stream") is True)
+            req, got = request_line(jid, ex, wire)
+            if req.client != ClientSpec():
+                self._append({AMEND: jid, "client": client_object(req.client)}, jid, ex)
+            shut = ex.disconnect_step is None and req.client.hangup_at_step is not None
+            if not (self.redact or shut):
+                self._append(expectation_object(Expectation(jid, got.fields())), jid, ex)
+        except Exception as exc:  # a recorder bug: this request's outcome is lost, say so
+            self._lost(jid, ex, exc)
 
     def close(self, engine: Engine) -> None:
-        self.trace = self.build(engine)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        write_trace(self.trace, tmp)
-        os.replace(tmp, self.path)
+        journal, self._journal = self._journal, None
+        if journal is not None:
+            journal.close()
+        if self._bridge is None:  # the engine never started: nothing was recorded
+            self.path.unlink(missing_ok=True)
+            return
+        try:
+            self.trace = self.build(engine)
+            write_trace(self.trace, self.path)  # a temporary file renamed over the journal
+        except Exception:
+            self.failed = True
+            log.exception("could not write the finished trace to %s; it holds the "
+                          "recording as it went (an unfinished trace, which sim replay "
+                          "reads)", self.path)
+            return
         log.info("recorded %d requests to %s", len(self.trace.requests), self.path)
 
+    # -- the journal -----------------------------------------------------------------------
+
+    def _write_request(self, ex: Exchange) -> None:
+        key = order(ex)
+        if key is None:
+            return
+        jid = ex.journal_id = f"r{next(self._written)}"
+        try:
+            at_step = ex.engine[0].at_step if ex.engine else ex.received_step
+            body, raw = json_body(bytes(ex.body_bytes))
+            req = TraceRequest(jid, ex.path, body, at_step=at_step, raw_body=raw)
+            if self._redactor is not None:
+                from sim.record.redact import redact_request
+
+                if (redacted := redact_request(self._redactor, req)) is None:
+                    ex.journal_id = ""  # not written: its outcome is not either
+                    return
+                req = redacted
+            self._append({**request_object(req), ORDER: list(key)}, jid, ex)
+        except Exception as exc:
+            self._lost(jid, ex, exc)
+
+    def _hung_up(self, ex: Exchange, step: int) -> None:
+        """A client's hang-up, as soon as the boundary applied it: a kill before the
+        exchange ends must not leave it replaying as a client that stayed."""
+        if ex.disconnect_step is None or ex.hangup_written or not ex.journal_id:
+            return
+        ex.hangup_written = True
+        self._append({AMEND: ex.journal_id,
+                      "client": client_object(ClientSpec(hangup_at_step=step))},
+                     ex.journal_id, ex)
+
+    def _append(self, obj: dict[str, Any], what: str, ex: Exchange | None = None) -> None:
+        if self._journal is None:
+            return
+        try:
+            self._journal.write(dumps_line(obj))
+        except Exception as exc:
+            self._lost(what, ex, exc)
+
+    def _lost(self, what: str, ex: Exchange | None, exc: BaseException) -> None:
+        self.failed = True
+        where = ""
+        if ex is not None:
+            ids = ", ".join(self._engine_ids(ex))
+            where = (f" ({ex.path}, request ids {ids})" if ids else
+                     f" ({ex.path}, answered {ex.status} at step {ex.received_step})")
+        log.error("could not record %s%s to %s: %r", what, where, self.path, exc)
+
+    def _engine_ids(self, ex: Exchange) -> list[str]:
+        return [rid for rid, owner in self._owner.items() if owner is ex]
+
     # -- the trace -------------------------------------------------------------------------
+
+    def _header(self, note: str) -> TraceHeader:
+        engine_settings = dict(self._engine_header)
+        sha = model_sha256(self.weights) if self.weights is not None else None
+        if sha is not None:
+            engine_settings["model_sha256"] = sha
+        return TraceHeader("step", self._model or "unknown", engine_settings, note)
 
     def build(self, engine: Engine) -> Trace:
         kept = [(key, ex) for ex in self._exchanges if (key := order(ex)) is not None]
@@ -145,10 +289,9 @@ class TraceRecorder:
         outcomes: list[RequestOutcome] = []
         cut: set[str] = set()  # ended by the server's shutdown: no expectation line
         for i, (_, ex) in enumerate(kept, start=1):
-            body = json.loads(ex.body_bytes)
-            wire = parse_wire(ex.status, b"".join(c for _, c in ex.chunks),
-                              body.get("stream") is True)
-            req, got = request_line(f"r{i}", ex, body, wire)
+            stream = json_body(bytes(ex.body_bytes))[0].get("stream") is True
+            wire = parse_wire(ex.status, b"".join(c for _, c in ex.chunks), stream)
+            req, got = request_line(f"r{i}", ex, wire)
             requests.append(req)
             outcomes.append(got)
             if ex.disconnect_step is None and req.client.hangup_at_step is not None:
@@ -167,14 +310,9 @@ class TraceRecorder:
 
             requests = redact_requests(requests, self._tokenizer)
             note += "; prompts redacted (token counts kept), so no expectation lines"
-        engine_settings = dict(self._engine_header)
-        sha = model_sha256(self.weights) if self.weights is not None else None
-        if sha is not None:
-            engine_settings["model_sha256"] = sha
-        header = TraceHeader("step", self._model or "unknown", engine_settings, note)
         expectations = () if self.redact else tuple(
             e for e in expectation_lines(outcome) if e.id not in cut)
-        return Trace(header, tuple(requests), expectations)
+        return Trace(self._header(note), tuple(requests), expectations)
 
 
 def model_sha256(model: str) -> str | None:

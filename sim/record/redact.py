@@ -16,6 +16,7 @@ lines: the outputs, and the token ids in them, belong to the private prompts.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import random
 from collections.abc import Sequence
@@ -88,7 +89,25 @@ class Redactor:
 def redact_requests(requests: Sequence[TraceRequest], tokenizer: Tokenizer,
                     seed: int | None = None) -> list[TraceRequest]:
     r = Redactor(tokenizer, seed)
-    return [dataclasses.replace(req, body=r.body(req.path, req.body)) for req in requests]
+    return [out for req in requests if (out := redact_request(r, req)) is not None]
+
+
+def redact_request(r: Redactor, req: TraceRequest) -> TraceRequest | None:
+    """The request with its prompts redacted. A body kept as bytes (one strict JSON cannot
+    hold, which the server refused) is redacted as what a lenient parse made of it, and
+    written back the way the client wrote it (NaN as NaN, a lone surrogate escaped); one
+    whose prompt cannot even be tokenized, or that is no object at all (where no prompt
+    can be told from the rest), is left out (None) rather than kept verbatim."""
+    if req.raw_body is None:
+        return dataclasses.replace(req, body=r.body(req.path, req.body))
+    if not req.body:
+        return None
+    try:
+        body = r.body(req.path, req.body)
+    except Exception:
+        return None
+    raw = json.dumps(body, ensure_ascii=True, allow_nan=True).encode()
+    return dataclasses.replace(req, body=body, raw_body=raw)
 
 
 def _is_id(value: object) -> bool:

@@ -22,11 +22,16 @@ log = logging.getLogger("sim.record")
 
 
 class Tracker(Protocol):
-    """What an exchange asks its recorder: the step count now, and a fresh engine record."""
+    """What an exchange asks its recorder: the step count now, a fresh engine record, and
+    to write what it can once the exchange is over."""
 
     def steps(self) -> int: ...
 
-    def track(self, request_id: str) -> EngineRequest: ...
+    def track(self, request_id: str, ex: Exchange) -> EngineRequest: ...
+
+    def refused(self, ex: Exchange) -> None: ...
+
+    def finished(self, ex: Exchange) -> None: ...
 
 
 @dataclass(slots=True, eq=False)
@@ -45,6 +50,7 @@ class EngineRequest:
     first_step: int | None = None
     last_step: int | None = None
     completions: dict[int, Completion] = field(default_factory=dict)
+    ended: int = 0  # completions with their final update
     # The step of each update that makes an SSE frame (text, or a finish other than an
     # abort): the frames an eager reader has had by a boundary.
     frame_steps: list[int] = field(default_factory=list)
@@ -66,13 +72,17 @@ class Exchange:
     got_all: bool = False  # ... or the whole JSON body, or the stream's [DONE]
     pushed_back: bool = False  # a send was still blocked when a step ended
     disconnect_step: int | None = None  # the client left before the response ended
+    over: bool = False  # done(): the exchange has ended, for any reason
+    journal_id: str | None = None  # its id in the file, once a line about it is written
+    hangup_written: bool = False
     _send_step: int = 0
+    _n: int | None = None
 
     def body(self, chunk: bytes) -> None:
         self.body_bytes += chunk
 
     def engine_ids(self, ids: Sequence[str]) -> None:
-        self.engine = [self.recorder.track(rid) for rid in ids]
+        self.engine = [self.recorder.track(rid, self) for rid in ids]
 
     def sending(self) -> None:
         self._send_step = self.recorder.steps()
@@ -82,6 +92,8 @@ class Exchange:
         self.pushed_back |= step > self._send_step
         if status is not None:
             self.status = status
+            if not self.engine:  # answered without the engine: a refusal, recorded now
+                self.recorder.refused(self)
             return
         if chunk:
             self.chunks.append((step, chunk))
@@ -95,19 +107,43 @@ class Exchange:
             self.disconnect_step = self.recorder.steps()
 
     def done(self) -> None:
-        pass  # everything is written at shutdown
+        self.over = True
+        self.recorder.finished(self)
+
+    def completions_per_prompt(self) -> int:
+        """`n` of an accepted body (each engine request has that many completions)."""
+        if self._n is None:  # the body is whole once the route has queued its requests
+            n = json_body(bytes(self.body_bytes))[0].get("n")
+            self._n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+        return self._n
+
+    def ended(self) -> bool:
+        """Over, and every engine request has had the final update of every completion
+        (a hang-up's abort comes at the boundary after the exchange ended)."""
+        n = self.completions_per_prompt() if self.engine else 0
+        return self.over and all(r.ended >= n for r in self.engine)
+
+
+def json_body(raw: bytes) -> tuple[dict[str, Any], bytes | None]:
+    """(body, None) for a body strict JSON can hold as an object; else (what a lenient parse
+    makes of it, the bytes as sent): a NaN, a lone surrogate, or no object at all is
+    recorded as the bytes, which replay sends as they are."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        return {}, raw
+    if not isinstance(body, dict):
+        return {}, raw
+    try:
+        json.dumps(body, ensure_ascii=False, allow_nan=False).encode("utf-8")
+    except (ValueError, UnicodeEncodeError, RecursionError):
+        return body, raw
+    return body, None
 
 
 def order(ex: Exchange) -> tuple[int, int, int] | None:
     """Where the exchange goes in the trace, or None if a replay cannot repeat it: taken by
     a boundary, in the bridge's order; refused before the bridge, where it was received."""
-    try:
-        body = json.loads(ex.body_bytes)
-    except ValueError:
-        body = None
-    if not isinstance(body, dict):
-        log.warning("not recorded: %s with a body that is not a JSON object", ex.path)
-        return None
     if ex.engine:
         first = ex.engine[0]
         if first.at_step is None or first.arrival is None:
@@ -115,11 +151,16 @@ def order(ex: Exchange) -> tuple[int, int, int] | None:
         return first.at_step, 0, first.arrival
     if ex.status is None or ex.status == 503:  # loading, draining, or a client gone early
         return None
+    if ex.status != 400 and json_body(bytes(ex.body_bytes))[1] is not None:
+        # A 408 or 413 cut the body short: its bytes are not what the client meant to send.
+        log.warning("not recorded: %s answered %d to a body that is not a JSON object",
+                    ex.path, ex.status)
+        return None
     return ex.received_step, 1, ex.seq
 
 
 def request_line(
-    rid: str, ex: Exchange, body: dict[str, Any], wire: Wire
+    rid: str, ex: Exchange, wire: Wire
 ) -> tuple[TraceRequest, RequestOutcome]:
     """The trace line of one exchange and its outcome (`sim.record.recorder` says why each
     field)."""
@@ -156,7 +197,8 @@ def request_line(
     outcome = RequestOutcome(rid, ex.status, wire.error, tuple(choices),
                              min(firsts, default=None), max(lasts, default=None),
                              wire.frames, aborted, hangup)
-    return TraceRequest(rid, ex.path, body, client, at_step=at_step), outcome
+    body, raw = json_body(bytes(ex.body_bytes))
+    return TraceRequest(rid, ex.path, body, client, at_step=at_step, raw_body=raw), outcome
 
 
 def _eager_until(ex: Exchange, taken: list[int], hangup: int | None) -> bool:

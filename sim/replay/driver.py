@@ -170,7 +170,8 @@ class Driver:
             while pending and self._due(pending[0], step, idle):
                 c = pending.popleft()
                 self._starting = c.number
-                ex = asgi.start(c.req.path, c.req.body, c.req.client.send_body_bytes)
+                ex = asgi.start(c.req.path, c.req.body, c.req.client.send_body_bytes,
+                                c.req.raw_body)
                 c.started(ex, step, self._now())
                 await settle()
                 self._starting, idle = None, False

@@ -144,7 +144,9 @@ def twin_trace(trace: Trace, outcome: Outcome) -> Trace:
     for r in trace.requests:
         seen = by_id[r.id]
         body = dict(r.body)
-        if seen.status is None or seen.status < 400:
+        if r.raw_body is not None:
+            pass  # sent as the bytes it was: a body strict JSON cannot hold was refused
+        elif seen.status is None or seen.status < 400:
             if body.get("stream") is True:
                 del body["stream"]
                 body.pop("stream_options", None)

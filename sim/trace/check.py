@@ -6,6 +6,9 @@ validate `--engine key=value` settings with the very rules the loader applies to
 
 from __future__ import annotations
 
+import base64
+import binascii
+import json
 import math
 import re
 from typing import Any
@@ -228,3 +231,23 @@ def check_expectation(eid: str, fields: dict[str, Any]) -> None:
         ids = fields["token_ids"]
         if not isinstance(ids, list) or not all(is_int(i) and i >= 0 for i in ids):
             raise FieldError("token_ids", f"must be a list of integers >= 0, got {ids!r:.80}")
+
+
+def check_base64(value: object, name: str) -> bytes:
+    if not isinstance(value, str):
+        raise FieldError(name, f"must be a base64 string, got {value!r:.80}")
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise FieldError(name, f"is not valid base64: {value!r:.80}") from None
+
+
+def lenient_object(raw: bytes) -> dict[str, Any]:
+    """What a lenient parse makes of bytes a trace keeps as they were sent: the object (NaN
+    and lone surrogates allowed, as Python's json takes them), or {} for anything else, so a
+    reader can still ask it for `stream` or `n`."""
+    try:
+        obj = json.loads(raw.decode("utf-8", errors="surrogatepass"))
+    except (ValueError, RecursionError):
+        return {}
+    return obj if isinstance(obj, dict) else {}

@@ -12,6 +12,11 @@ reading pattern, `client.read: {"frames_by_step": [[step, frames], ...]}`, which
 recorder writes for slow readers and hang-ups (`FramesByStep`); and, on expectation lines,
 `error`, `frames`, `aborted`, `hangup_step` and, for n > 1, `choices` (sim/trace/expect.py).
 
+A request line may give `body_base64` (the exact bytes, base64) in place of `body`, for a body
+strict JSON cannot hold (a NaN, a lone surrogate, no object at all): replay sends those bytes
+as they are. A file whose header carries `"incomplete"` is a recording that has not finished
+(sim/trace/journal.py); the loader puts it in trace order first.
+
 Faults (issue 9), all optional, so every v1 trace without them reads and replays as before:
 
 - header `"faults": [{"kind": ..., ...}, ...]`: faults the replay injects through wrappers
@@ -33,6 +38,7 @@ Faults (issue 9), all optional, so every v1 trace without them reads and replays
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Iterable
@@ -41,6 +47,7 @@ from typing import Any, Literal
 
 from sim.trace.check import (
     FieldError,
+    check_base64,
     check_body_timeout,
     check_client,
     check_cost_model,
@@ -49,7 +56,9 @@ from sim.trace.check import (
     check_faults,
     check_str,
     check_time,
+    lenient_object,
 )
+from sim.trace.journal import JournalError, is_incomplete, recover
 
 TRACE_VERSION = 1
 PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -138,6 +147,10 @@ class TraceRequest:
     at_step: int | None = None  # step clock: admitted after this many steps
     at_s: float | None = None  # virtual clock: arrival in seconds
     extra: dict[str, Any] = field(default_factory=dict)
+    # The exact bytes the client sent, where strict JSON cannot hold its body (a NaN, a lone
+    # surrogate, not an object at all): `body_base64` in the file, sent as they are; `body`
+    # is then what a lenient parse makes of them ({} if not an object), for reading only.
+    raw_body: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,16 +174,35 @@ class Trace:
 
 _HEADER_KEYS = ("nanoserve_trace", "clock", "model", "engine", "note", "cost_model", "faults",
                 "body_timeout")
-_REQUEST_KEYS = ("id", "at_step", "at_s", "path", "body", "client")
+_REQUEST_KEYS = ("id", "at_step", "at_s", "path", "body", "body_base64", "client")
 _CLIENT_KEYS = ("read", "hangup_after_frames", "hangup_at_step", "send_body_bytes", "then")
 
 
 def load_trace(path_or_lines: str | os.PathLike[str] | Iterable[str]) -> Trace:
     """A trace from a file path, or from an iterable of its lines (numbered from 1)."""
     if isinstance(path_or_lines, str | os.PathLike):
-        with open(path_or_lines, encoding="utf-8") as f:
-            return _parse(f)
+        try:
+            with open(path_or_lines, encoding="utf-8") as f:
+                return _parse(f)
+        except UnicodeDecodeError:  # a binary or Latin-1 file: say where, in one line
+            bad = _undecodable(path_or_lines)
+            if bad is None:
+                raise
+            raise TraceError(bad[0], f"not UTF-8 text (byte 0x{bad[1]:02x} at column "
+                             f"{bad[2]}); a trace is JSON Lines in UTF-8") from None
     return _parse(path_or_lines)
+
+
+def _undecodable(path: str | os.PathLike[str]) -> tuple[int, int, int] | None:
+    """The first line that is not UTF-8: (its number, the bad byte, its column)."""
+    with open(path, "rb") as f:
+        # Split at b"\n" as the text reader does: that byte is never inside a UTF-8 character.
+        for number, raw in enumerate(f, start=1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                return number, raw[exc.start], exc.start + 1
+    return None
 
 
 def loads_trace(text: str) -> Trace:
@@ -178,6 +210,19 @@ def loads_trace(text: str) -> Trace:
 
 
 def _parse(lines: Iterable[str]) -> Trace:
+    lines = iter(lines)
+    first = next(lines, None)
+    if first is None:
+        raise TraceError(1, "the trace is empty; line 1 must be the header", "nanoserve_trace")
+    if is_incomplete(first):  # a recording that has not been closed: put it in trace order
+        try:
+            return _parse_lines(list(recover(first, lines)))
+        except JournalError as exc:
+            raise TraceError(exc.line, exc.message) from None
+    return _parse_lines(itertools.chain([first], lines))
+
+
+def _parse_lines(lines: Iterable[str]) -> Trace:
     header: TraceHeader | None = None
     requests: list[TraceRequest] = []
     expectations: list[Expectation] = []
@@ -256,14 +301,23 @@ def _request(obj: dict[str, Any], header: TraceHeader, first_line: dict[str, int
     path = obj.get("path")
     if path not in PATHS:
         raise FieldError("path", f"must be one of {', '.join(PATHS)}, got {path!r:.80}")
-    body = obj.get("body")
-    if not isinstance(body, dict):
-        raise FieldError("body", f"must be a JSON object, got {body!r:.80}")
+    raw_body = None
+    body: Any
+    if "body_base64" in obj:
+        if "body" in obj:
+            raise FieldError("body_base64", "a request gives body or body_base64, not both")
+        raw_body = check_base64(obj["body_base64"], "body_base64")
+        body = lenient_object(raw_body)
+    else:
+        body = obj.get("body")
+        if not isinstance(body, dict):
+            raise FieldError("body", f"must be a JSON object, got {body!r:.80}")
     read, after, at, partial = check_client(obj.get("client"), header.clock)
     client = ClientSpec(parse_read(read), after, at, _extra(obj["client"], _CLIENT_KEYS),
                         partial, "stall" if partial is not None else None)
     first_line[rid] = number
-    return TraceRequest(rid, path, body, client, at_step, at_s, _extra(obj, _REQUEST_KEYS))
+    return TraceRequest(rid, path, body, client, at_step, at_s, _extra(obj, _REQUEST_KEYS),
+                        raw_body)
 
 
 def parse_read(raw: str | dict[str, Any]) -> Read:

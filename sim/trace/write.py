@@ -8,6 +8,7 @@ trace the writer produced gives the same bytes, and a diff of two traces is a di
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 from collections.abc import Iterator
@@ -19,29 +20,48 @@ from sim.trace.format import (
     ClientSpec,
     EverySeconds,
     EverySteps,
+    Expectation,
     FramesByStep,
     Trace,
+    TraceHeader,
+    TraceRequest,
 )
 
 
 def iter_trace_lines(trace: Trace) -> Iterator[str]:
     """The trace's lines, without newlines (a generator: a converted trace can be large)."""
-    h = trace.header
+    yield dumps_line(header_object(trace.header))
+    for r in trace.requests:
+        yield dumps_line(request_object(r))
+    for e in trace.expectations:
+        yield dumps_line(expectation_object(e))
+
+
+def header_object(h: TraceHeader) -> dict[str, Any]:
     head: dict[str, Any] = {"nanoserve_trace": TRACE_VERSION, "clock": h.clock,
                             "model": h.model, "engine": h.engine}
     _put(head, "note", h.note)
     _put(head, "cost_model", h.cost_model)
     _put(head, "faults", list(h.faults) or None)
     _put(head, "body_timeout", h.body_timeout)
-    yield _dumps({**head, **h.extra})
-    for r in trace.requests:
-        line: dict[str, Any] = {"id": r.id}
-        _put(line, "at_step", r.at_step)
-        _put(line, "at_s", r.at_s)
-        line.update(path=r.path, body=r.body, client=_client(r.client))
-        yield _dumps({**line, **r.extra})
-    for e in trace.expectations:
-        yield _dumps({"expect": e.id, **e.fields})
+    return {**head, **h.extra}
+
+
+def request_object(r: TraceRequest) -> dict[str, Any]:
+    line: dict[str, Any] = {"id": r.id}
+    _put(line, "at_step", r.at_step)
+    _put(line, "at_s", r.at_s)
+    line["path"] = r.path
+    if r.raw_body is not None:
+        line["body_base64"] = base64.b64encode(r.raw_body).decode("ascii")
+    else:
+        line["body"] = r.body
+    line["client"] = client_object(r.client)
+    return {**line, **r.extra}
+
+
+def expectation_object(e: Expectation) -> dict[str, Any]:
+    return {"expect": e.id, **e.fields}
 
 
 def dumps_trace(trace: Trace) -> str:
@@ -54,7 +74,7 @@ def write_trace(trace: Trace, path: str | os.PathLike[str]) -> None:
             f.write(line + "\n")
 
 
-def _client(c: ClientSpec) -> dict[str, Any]:
+def client_object(c: ClientSpec) -> dict[str, Any]:
     read: Any = c.read
     if isinstance(c.read, EverySteps):
         read = {"every_steps": c.read.n}
@@ -75,6 +95,13 @@ def _put(d: dict[str, Any], key: str, value: object) -> None:
         d[key] = value
 
 
-def _dumps(obj: dict[str, Any]) -> str:
-    # allow_nan=False: NaN is not JSON, and the loader would refuse what we wrote.
-    return json.dumps(obj, ensure_ascii=False, allow_nan=False)
+def dumps_line(obj: dict[str, Any]) -> str:
+    """One line of strict JSON. allow_nan=False: NaN is not JSON, and the loader would refuse
+    what we wrote. A string holding a lone surrogate (which UTF-8 cannot encode) is written
+    escaped, as `\\udXXXX`, which reads back as the same string."""
+    line = json.dumps(obj, ensure_ascii=False, allow_nan=False)
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(obj, ensure_ascii=True, allow_nan=False)
+    return line

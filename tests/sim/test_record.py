@@ -376,7 +376,8 @@ def scope(path: str, body: bytes) -> dict[str, Any]:
 
 async def test_refusals_several_prompts_and_n_replay_clean(tmp_path: Path) -> None:
     """A 400 (recorded where it was received, with its error code), a request whose body is
-    not JSON (not recordable: left out), two prompts with n=2, and a chat request."""
+    not JSON (recorded as its bytes, refused again on replay), two prompts with n=2, and a
+    chat request."""
     path = tmp_path / "mixed.jsonl"
     async with recorded(make_engine(), LiveClock(), path) as (addr, _, _):
         bad = await Raw.post(addr, {"model": "stub", "prompt": PROMPT, "temperature": -1})
@@ -394,11 +395,13 @@ async def test_refusals_several_prompts_and_n_replay_clean(tmp_path: Path) -> No
         await chat.read_all()
     trace = load_trace(path)
     # Refusals never reach the bridge: they follow the requests it took at that step.
-    assert [(r.id, r.at_step, r.body.get("n")) for r in trace.requests] == [
-        ("r1", 0, 2), ("r2", 0, None), ("r3", 4, None)]
+    assert [(r.id, r.at_step, r.body.get("n"), r.raw_body) for r in trace.requests] == [
+        ("r1", 0, 2, None), ("r2", 0, None, None), ("r3", 0, None, b"{x}"),
+        ("r4", 4, None, None)]
     e = lines(trace)
     assert (e["r2"]["status"], e["r2"]["error"], e["r2"]["token_ids"]) == (400, "invalid_value",
                                                                           [])
+    assert (e["r3"]["status"], e["r3"]["error"]) == (400, "invalid_json")
     assert e["r1"]["completion_tokens"] == 16
     assert len(e["r1"]["choices"]) == 4
     texts: dict[int, str] = {}
@@ -407,7 +410,7 @@ async def test_refusals_several_prompts_and_n_replay_clean(tmp_path: Path) -> No
             for c in json.loads(ev)["choices"]:
                 texts[c["index"]] = texts.get(c["index"], "") + c["text"]
     assert [c["text"] for c in e["r1"]["choices"]] == [texts[i] for i in range(4)]
-    assert e["r3"]["text"] == chat.json()["choices"][0]["message"]["content"]
+    assert e["r4"]["text"] == chat.json()["choices"][0]["message"]["content"]
     result = await replay_in_thread(path)
     assert result.mismatches == ()
 
