@@ -20,7 +20,6 @@ import datetime
 import json
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -37,6 +36,7 @@ from sim.bench.client import (
 from sim.bench.prefix import PrefixResult, fresh_seed, prefix_requests, run_prefix_test
 from sim.bench.stats import parse_slo, summarize
 from sim.cli_util import guarded, tokenizer
+from sim.files import atomic_write_text
 from sim.load.azure import PromptSynth
 from sim.load.spec import load_spec_from_pairs, split_load_spec
 from sim.load.synthetic import generate_load
@@ -90,7 +90,7 @@ def _main(a: argparse.Namespace) -> int:
     result = trio.run(run_bench, a)
     print(format_summary(result))
     if a.out:
-        Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+        atomic_write_text(a.out, json.dumps(result, indent=1) + "\n")
         print(f"wrote {a.out}")
     return 0 if result["summary"]["failed"] == 0 else 1
 
@@ -219,7 +219,7 @@ def _report_prefix(a: argparse.Namespace, res: PrefixResult, url: str, model: st
           f"TTFT {out['cold_ttft_ms']} ms, warm {out['warm_ttft_ms']} ms; "
           f"median warm / cold = {out['ratio']}")
     if a.out:
-        Path(a.out).write_text(json.dumps({"nanoserve_bench_prefix": RESULT_VERSION,
+        atomic_write_text(a.out, json.dumps({"nanoserve_bench_prefix": RESULT_VERSION,
                                            "url": url, "model": model, **out}, indent=1))
     if out["ratio"] is None:
         errors = [r.error for r in (res.warmup, res.cold, *res.warm) if r.error]

@@ -40,6 +40,7 @@ import httpx
 
 from sim.bench.guidellm import GUIDELLM, guidellm_command, offline_env, summarize
 from sim.bench.online import stop, wait_healthy
+from sim.files import atomic_write_text
 
 PY = sys.executable
 
@@ -175,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
             r["rss_mib"][q] = rss_mib(url)
         finally:
             stop(proc)
-    (out / f"llamacpp_side_by_side_{a.isa}.json").write_text(json.dumps(r, indent=1) + "\n")
+    atomic_write_text(out / f"llamacpp_side_by_side_{a.isa}.json",
+                      json.dumps(r, indent=1) + "\n")
     print(report(r))
     return 0
 

@@ -29,6 +29,7 @@ import httpx
 import trio
 
 from sim.bench import cli as bench_cli
+from sim.files import atomic_write_text
 
 ROWS = [  # (label, summary key, distribution key or None)
     ("completed", "completed", None), ("failed", "failed", None),
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def save(out: Path, name: str, result: dict[str, Any]) -> None:
     """Written as soon as it exists: a peer run that is cut short loses only itself."""
-    (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    atomic_write_text(out / f"{name}.json", json.dumps(result, indent=1) + "\n")
 
 
 def run_nanoserve(a: argparse.Namespace, load: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -27,6 +27,7 @@ from sim.capacity.parallel import ParallelPlanner, process_pool
 from sim.capacity.plan import Plan, Planner, default_num_blocks
 from sim.capacity.report import build_report, dumps_report, table, write_csv, write_plots
 from sim.cli_util import ENGINE_KEYS, engine_config, guarded, tokenizer
+from sim.files import atomic_write_text
 from sim.load.spec import parse_load_spec
 from sim.load.workload import Workload, spec_workload, trace_workload
 
@@ -157,7 +158,7 @@ def plan_capacity(workloads: list[Workload], seeds: list[int], cost: Any, plan: 
                           points=points, searches=searches, invalid=workloads[0].invalid)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
-        Path(f"{out}.json").write_text(dumps_report(report), encoding="utf-8")
+        atomic_write_text(f"{out}.json", dumps_report(report))
         write_csv(points, Path(f"{out}.csv"))
         if plots:
             write_plots(points, timelines, out, cost.name)

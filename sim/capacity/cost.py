@@ -34,6 +34,7 @@ from typing import Any
 
 from nanoserve.model.quant import DENSE_FROM_ROWS, REGISTER_ROWS
 from nanoserve.outputs import StepResult
+from sim.files import atomic_write_text
 
 FEATURES = ("const", "prefill_tokens", "prefill_seqs", "decode_seqs", "decode_context",
             "prefill_attention", "batched", "tile_rows")
@@ -121,7 +122,7 @@ class CostModel:
         )
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n", encoding="utf-8")
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=1) + "\n")
 
 
 def load_cost_model(path: str | Path) -> CostModel:

@@ -19,6 +19,7 @@ from typing import Any
 from sim.capacity.cost import FEATURES, CostModel
 from sim.capacity.fleet import SimResult
 from sim.capacity.plan import CAPACITY_FORMAT, Plan
+from sim.files import atomic_open, atomic_path, atomic_write_text
 
 
 def build_report(*, cost: CostModel, plan: Plan, source: str, seeds: Sequence[int],
@@ -53,11 +54,11 @@ def dumps_report(report: dict[str, Any]) -> str:
 def write_csv(points: Sequence[dict[str, Any]], path: Path) -> None:
     """One row per point and seed ("mean" for the mean over seeds)."""
     if not points:
-        path.write_text("", encoding="utf-8")
+        atomic_write_text(path, "")
         return
     metrics = list(points[0]["mean"])
     head = ["rate", "num_blocks", "kv_gib", "max_num_seqs", "seed", *metrics]
-    with path.open("w", newline="", encoding="utf-8") as f:
+    with atomic_open(path, newline="") as f:
         w = csv.writer(f, lineterminator="\n")
         w.writerow(head)
         for p in points:
@@ -120,7 +121,8 @@ def write_plots(points: Sequence[dict[str, Any]], timelines: Sequence[tuple[str,
 
 
 def _save(fig: Any, path: Path) -> Path:
-    fig.savefig(path, dpi=110, metadata={"Software": None})
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110, metadata={"Software": None})
     return path
 
 

@@ -30,7 +30,6 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from nanoserve.config import EngineConfig
@@ -46,6 +45,7 @@ from sim.capacity.plan import default_num_blocks, flat
 from sim.capacity.profile import set_threads, torch_threads
 from sim.capacity.routers import ROUTERS, Router
 from sim.cli_util import engine_config, guarded
+from sim.files import atomic_write_text
 from sim.load.spec import parse_load_spec
 from sim.load.workload import Workload, spec_workload
 
@@ -192,14 +192,14 @@ def run_validate(a: argparse.Namespace) -> int:
         print("placed on the simulator's replica: " + " ".join(f"{p:.0%}" for p in placed))
     _print_table(rows, rows_now, speed, speeds)
     if a.out:
-        Path(a.out).write_text(json.dumps({"load": workload.source, "model": a.model,
+        atomic_write_text(a.out, json.dumps({"load": workload.source, "model": a.model,
                                            "replicas": a.replicas, "router": a.router,
                                            "cost_model": cost.name, "predicted": predicted,
                                            "runs": runs, "contention": contentions,
                                            "steal": steals, "machine_speed": speeds,
                                            "placement_agreement": placed,
                                            "compare": rows, "compare_at_speed": rows_now},
-                                          indent=1) + "\n", encoding="utf-8")
+                                          indent=1) + "\n")
     return 0
 
 

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from sim.files import atomic_open
 from sim.replay.run import ReplayError, ReplayResult, replay
 from sim.trace.format import TraceError, load_trace
 from sim.trace.write import write_trace
@@ -90,6 +91,6 @@ def _one(path: Path, a: argparse.Namespace, prefix: str) -> int:
 
 
 def _write_expectations(result: ReplayResult, out: Path) -> None:
-    with out.open("w", encoding="utf-8", newline="\n") as f:
+    with atomic_open(out) as f:
         for e in result.expectations():
             f.write(json.dumps({"expect": e.id, **e.fields}, ensure_ascii=False) + "\n")

@@ -12,9 +12,9 @@ import base64
 import json
 import os
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
+from sim.files import atomic_open
 from sim.trace.format import (
     TRACE_VERSION,
     ClientSpec,
@@ -69,7 +69,7 @@ def dumps_trace(trace: Trace) -> str:
 
 
 def write_trace(trace: Trace, path: str | os.PathLike[str]) -> None:
-    with Path(path).open("w", encoding="utf-8", newline="\n") as f:
+    with atomic_open(path) as f:  # never half a trace under its name
         for line in iter_trace_lines(trace):
             f.write(line + "\n")
 
