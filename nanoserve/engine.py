@@ -223,8 +223,17 @@ class Engine:
                 return self._finish(req, FinishReason.ERROR, (token,),
                                     error=f"detokenizer: {exc!r}")
         if req.grammar is not None and not req.grammar.consume_token(token):
-            # Only a token the mask did not govern can break the constraint: fail this one.
             self._failed += 1
+            spec = req.params.guided
+            if req.grammar.is_error() and spec is not None:
+                # The constraint itself gave up (llguidance's parser limits, met by a
+                # grammar with no finite completion that compile could not see): the
+                # request's fault, named by its field.
+                why = req.grammar.get_error().splitlines()[0]
+                return self._finish(req, FinishReason.ERROR, (token,), error_param=spec.field,
+                                    error=f"{spec.field}: the constraint cannot be followed "
+                                    f"(it gave up at output token {req.num_output}: {why})")
+            # Otherwise only a token the mask did not govern breaks it: fail this one.
             return self._finish(req, FinishReason.ERROR, (token,),
                                 error=f"token {token} breaks the request's constraint")
         stop = check_stop(req, token, matched, self.eos_token_ids)
@@ -243,6 +252,7 @@ class Engine:
         *,
         stop_reason: int | str | None = None,
         error: str | None = None,
+        error_param: str | None = None,
     ) -> Update:
         self.scheduler.remove(req)
         req.status = Status.FINISHED
@@ -263,7 +273,7 @@ class Engine:
                 text = req.detok.pop_delta() + req.detok.finish()
             except Exception:  # the request is already failing; keep its error
                 text = ""
-        return final_update(req, reason, new_tokens, text, stop_reason, error)
+        return final_update(req, reason, new_tokens, text, stop_reason, error, error_param)
 
     # -- introspection ---------------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from nanoserve.schema_finite import has_finite_instance
 from nanoserve.tokenizer import Tokenizer
 
 KINDS = ("json", "regex", "choice", "grammar")
@@ -71,8 +72,11 @@ class GuidedSpec:
         from llguidance import LLMatcher
 
         if self.kind == "json":
-            text: str = LLMatcher.grammar_from_json_schema(json.loads(self.source),
-                                                           defaults=JSON_LAYOUT)
+            schema = json.loads(self.source)
+            if not has_finite_instance(schema):
+                raise ValueError("no finite JSON value satisfies this schema: a required "
+                                 "property or item leads back into it without end")
+            text: str = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
         elif self.kind == "regex":
             text = LLMatcher.grammar_from_regex(self.source)
         elif self.kind == "choice":
@@ -119,7 +123,7 @@ class Grammars:
 
         try:
             text = spec.grammar_text()
-        except (ValueError, TypeError, RuntimeError) as exc:
+        except (ValueError, TypeError, RuntimeError, RecursionError) as exc:
             raise GrammarError(spec.field, f"{spec.field}: {exc}") from None
         try:
             m = LLMatcher(self._lltok, text)

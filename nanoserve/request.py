@@ -109,6 +109,9 @@ class Update:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    # The request field the error is the fault of (a constraint the engine found it cannot
+    # follow): the server answers it as a 400 naming the field, not as an engine failure.
+    error_param: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0

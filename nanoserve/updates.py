@@ -32,7 +32,8 @@ def token_update(req: Request, token: int, text: str) -> Update:
 
 
 def final_update(req: Request, reason: FinishReason, new_tokens: tuple[int, ...], text: str,
-                 stop_reason: int | str | None, error: str | None) -> Update:
+                 stop_reason: int | str | None, error: str | None,
+                 error_param: str | None = None) -> Update:
     """A completion's last update: its last tokens (none for an abort) and all held text."""
     return Update(
         req.group,
@@ -43,6 +44,7 @@ def final_update(req: Request, reason: FinishReason, new_tokens: tuple[int, ...]
         finish_reason=reason.value,
         stop_reason=stop_reason,
         error=error,
+        error_param=error_param,
         num_prompt_tokens=req.num_prompt,
         num_output_tokens=req.num_output,
         num_cached_tokens=req.num_cached_prompt,

@@ -186,3 +186,56 @@ def test_smollm2_200_requests_over_10_schemas_validate(smollm2_quantized: Any,
     assert tokens(drain(alone))[rid] == got[free_id]
     print(f"SmolLM2: {stopped} of 200 constrained completions stopped, every one valid")
     assert stopped >= 150
+
+
+# No finite JSON value satisfies these: each one's required property (or item) holds
+# another value of the same schema. llguidance compiles them; generation then ran into its
+# parser limits a token in and the request failed as an engine error (a 500).
+ENDLESS: list[dict[str, Any]] = [
+    {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+    {"$defs": {"x": {"type": "array", "items": {"$ref": "#/$defs/x"}, "minItems": 1}},
+     "$ref": "#/$defs/x"},
+    {"$defs": {"x": {"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}},
+                     "required": ["a"]}},
+     "type": "object", "properties": {"s": {"type": "string"}, "b": {"$ref": "#/$defs/x"}},
+     "required": ["s", "b"]},
+]
+
+
+@pytest.mark.parametrize("schema", ENDLESS)
+def test_a_schema_with_no_finite_instance_is_refused_at_prepare(tok: Any,
+                                                                schema: dict[str, Any]) -> None:
+    engine = _stub_engine(tok)
+    with pytest.raises(ParamError) as err:
+        engine.prepare("x", SamplingParams(guided=GuidedSpec.json_schema(schema, "guided_json")))
+    assert err.value.field == "guided_json"
+    assert str(err.value) == ("guided_json: no finite JSON value satisfies this schema: a "
+                              "required property or item leads back into it without end")
+    # The same recursion with a way out (the property optional) is served, and stops.
+    finite = {**schema, "required": []} if "required" in schema else {**schema, "$defs": {
+        "x": {**schema["$defs"]["x"], "minItems": 0}}}
+    rid = engine.add_request("x", SamplingParams(temperature=0.8, seed=1, max_tokens=64,
+                                                 guided=GuidedSpec.json_schema(finite)))
+    final = next(u for s in drain(engine) for u in s.updates if u.finished)
+    assert (final.request_id, final.error) == (rid, None)
+
+
+def test_a_grammar_that_cannot_go_on_ends_the_request_naming_its_field(tok: Any) -> None:
+    """A Lark grammar with no finite sentence compiles (no check can see it): the matcher
+    gives up at the first token, and the request ends with an error that names its field
+    (the server answers a 400 with that param, not an engine error)."""
+    engine = _stub_engine(tok)
+    rid = engine.add_request("x", SamplingParams(
+        temperature=0.8, seed=1, max_tokens=16,
+        guided=GuidedSpec("grammar", 'start: a\na: "x" a', "guided_grammar")))
+    free = engine.add_request("x", SamplingParams(temperature=0.8, seed=1, max_tokens=4))
+    results = drain(engine)
+    finals = {u.request_id: u for s in results for u in s.updates if u.finished}
+    bad = finals[rid]
+    assert (bad.finish_reason, bad.error_param) == ("error", "guided_grammar")
+    assert bad.error is not None
+    assert bad.error.startswith("guided_grammar: the constraint cannot be followed (it gave "
+                                "up at output token 1: parser error: Too many items")
+    assert finals[free].finish_reason == "length"  # its neighbour is untouched
+    s = engine.statistics()
+    assert (s.free_blocks, s.running, s.waiting) == (s.num_blocks, 0, 0)

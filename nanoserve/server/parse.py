@@ -23,6 +23,7 @@ from pydantic import BaseModel
 from nanoserve.grammar import GuidedSpec
 from nanoserve.sampling import ParamError, SamplingParams
 from nanoserve.server.errors import ApiError, bad_request, from_param_error
+from nanoserve.server.nesting import MAX_DEPTH, deep_field, too_deep
 from nanoserve.server.protocol import Message, Protocol, validate
 from nanoserve.tokenizer import Tokenizer
 
@@ -65,6 +66,10 @@ def loads(raw: bytes) -> dict[str, Any]:
     def no_constants(name: str) -> Any:
         raise ValueError(f"{name} is not valid JSON")
 
+    if too_deep(raw):  # before the parser, which would recurse all the way down
+        field = deep_field(raw)
+        raise bad_request(field, f"{field or 'request body'}: nests deeper than {MAX_DEPTH} "
+                          "levels of arrays and objects", "too_deep")
     try:
         body = json.loads(raw, parse_constant=no_constants)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
@@ -234,6 +239,9 @@ def _guided(req: Any) -> GuidedSpec | None:
             continue
         kind = field.rpartition("_")[2].rpartition(".")[2]
         if kind == "json":
+            if isinstance(value, str) and too_deep(value.encode("utf-8", "surrogatepass")):
+                raise bad_request(field, f"{field}: nests deeper than {MAX_DEPTH} levels of "
+                                  "arrays and objects", "too_deep")
             try:
                 schema = json.loads(value) if isinstance(value, str) else value
             except ValueError as exc:

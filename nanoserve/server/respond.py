@@ -52,6 +52,9 @@ def failure(item: Item) -> ApiError | None:
     if isinstance(item, Ended):
         return ApiError(item.status, item.message, None, item.code)
     _, u = item
+    if u.error_param is not None:  # the request's own fault, found only while generating
+        return ApiError(400, u.error or "the request cannot be completed", u.error_param,
+                        "invalid_value")
     if u.finish_reason == "error" or (u.error is not None and u.finish_reason != "abort"):
         return ApiError(500, u.error or "the request failed in the engine", None, "engine_error")
     if u.finish_reason == "abort":

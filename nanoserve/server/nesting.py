@@ -1,0 +1,65 @@
+"""How deep a JSON text nests, found without parsing it and without recursion.
+
+Python's JSON parser and encoder, pydantic and the grammar compiler all recurse once per
+level: a body nested ~1,000 deep ends in RecursionError somewhere past the parser (a 500),
+and one nested 100,000 deep costs a parse before it fails. So every body is measured
+first, as web servers and serde_json (128) bound it: no request field needs more than
+`MAX_DEPTH` levels (a JSON schema of 40 nested objects is ~85). The measure is C-speed
+byte work: strings are cut out (a bracket inside one is text), and the depth is the
+running sum of +1 per `[`/`{` and -1 per `]`/`}`, in numpy. Only a body that is too deep
+is scanned again, token by token and for a bounded number of tokens, to name its field.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+
+MAX_DEPTH = 100
+_SCAN_TOKENS = 100_000  # naming the field of a too-deep body gives up past this many
+
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
+_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
+_STEP = np.zeros(256, np.int8)
+_STEP[list(b"[{")] = 1
+_STEP[list(b"]}")] = -1
+
+
+def too_deep(text: bytes) -> bool:
+    """Whether the JSON `text` nests more than MAX_DEPTH arrays and objects deep. Malformed
+    text gets an answer too (the parser then says what is wrong with it)."""
+    if text.count(b"[") + text.count(b"{") <= MAX_DEPTH:  # most bodies stop here
+        return False
+    brackets = _STRING.sub(b"", text).translate(None, _NOT_BRACKET)
+    steps = _STEP[np.frombuffer(brackets, np.uint8)]
+    return bool(steps.size) and int(np.cumsum(steps, dtype=np.int64).max()) > MAX_DEPTH
+
+
+def deep_field(text: bytes) -> str | None:
+    """The top-level key under which a too-deep object `text` first passes MAX_DEPTH, or
+    None (not an object, not found within the scan's budget, or a key that is no text)."""
+    if not text.lstrip().startswith(b"{"):
+        return None
+    depth = 0
+    key: bytes | None = None
+    for i, m in enumerate(_TOKEN.finditer(text)):
+        if i == _SCAN_TOKENS:
+            return None
+        token = m.group()
+        if token[0] == ord('"'):
+            if depth == 1:
+                key = token  # the last string at the top level: a key, or the value of one
+            continue
+        depth += 1 if token in (b"[", b"{") else -1
+        if depth > MAX_DEPTH:
+            break
+    else:
+        return None
+    try:
+        name = json.loads(key) if key is not None else None
+    except ValueError:
+        return None
+    return name if isinstance(name, str) else None
