@@ -31,10 +31,12 @@ from collections.abc import Callable
 
 import torch
 
-from nanoserve.config import EngineConfig
+from nanoserve import flags
+from nanoserve.config import ConfigError, EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.llm import LLM
 from nanoserve.model import Model, load
+from nanoserve.model.preflight import check_device, check_model
 from nanoserve.model.quant import CHOICES
 from nanoserve.sampling import SamplingParams
 from nanoserve.tokenizer import Tokenizer
@@ -54,27 +56,27 @@ def workload(
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--n", type=int, default=32)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prompt-min", type=int, default=16)
-    p.add_argument("--prompt-max", type=int, default=256)
-    p.add_argument("--out-min", type=int, default=16)
-    p.add_argument("--out-max", type=int, default=128)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--n", type=flags.positive_int, default=32)
+    p.add_argument("--seed", type=flags.int64, default=0)
+    p.add_argument("--prompt-min", type=flags.positive_int, default=16)
+    p.add_argument("--prompt-max", type=flags.positive_int, default=256)
+    p.add_argument("--out-min", type=flags.positive_int, default=16)
+    p.add_argument("--out-max", type=flags.positive_int, default=128)
+    p.add_argument("--max-num-seqs", type=flags.positive_int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=flags.positive_int, default=512)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--quantization", default="auto", choices=CHOICES,
                    help="auto: the GGUF's own blocks; none: float32 (see nanoserve serve)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+    p.add_argument("--tensor-parallel-size", "-tp", type=flags.positive_int, default=1,
                    help="shard the weights over N processes (serve's flag) [1]")
     p.add_argument("--pack", choices=("auto", "on", "off"), default="auto",
                    help="pre-packed MKL weights (auto: wherever available)")
     p.add_argument("--profile", action="store_true",
                    help="print where the run's CPU time goes, by operator (slows the run)")
-    p.add_argument("--single-tokens", type=int, default=64,
+    p.add_argument("--single-tokens", type=flags.non_negative_int, default=64,
                    help="output tokens of the batch-1 decode measurement (0 skips it)")
-    p.add_argument("--batched-seqs", type=int, default=16,
+    p.add_argument("--batched-seqs", type=flags.non_negative_int, default=16,
                    help="sequences of the batched decode measurement, 128-token prompts and "
                         "64 tokens out, prefill excluded: llama-batched-bench's TG (0 skips)")
     p.add_argument("--quiet", action="store_true", help="no progress bar (shown on a terminal)")
@@ -162,8 +164,38 @@ def _load(a: argparse.Namespace) -> tuple[Model, Tokenizer]:
     return model, Tokenizer.from_folder(folder)
 
 
-def run(a: argparse.Namespace) -> dict[str, float | int | str]:
+# The batched decode line's shape (llama-batched-bench's -npp and -ntg), and the longest
+# prompt the batch-1 line takes from the workload.
+_BATCHED_PROMPT, _BATCHED_OUT, _SINGLE_PROMPT = 128, 64, 32
+
+
+def check(a: argparse.Namespace) -> EngineConfig:
+    """What argparse cannot judge flag by flag, before a weight loads: the device, the model
+    and how it shards, the KV pool, and every request of the run against the context (one
+    that cannot fit fails mid-run otherwise, after minutes of work)."""
+    for low, high in (("prompt_min", "prompt_max"), ("out_min", "out_max")):
+        if getattr(a, low) > getattr(a, high):
+            raise ConfigError(f"--{low.replace('_', '-')} {getattr(a, low)} is more than "
+                              f"--{high.replace('_', '-')} {getattr(a, high)}")
+    check_device(a.device)
     cfg = EngineConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens)
+    context = check_model(a.model, a.dtype, a.tensor_parallel_size, cfg, a.device).max_model_len
+    runs = [("--prompt-max", a.prompt_max, "--out-max", a.out_max)]
+    if a.model != "stub":  # the lines below run on real weights only
+        runs.append(("the batch-1 prompt", min(a.prompt_max, _SINGLE_PROMPT), "--single-tokens",
+                     a.single_tokens))
+        if a.batched_seqs > 0:
+            runs.append(("the batched line's prompt", _BATCHED_PROMPT, "output",
+                         _BATCHED_OUT))
+    for prompt_name, prompt, out_name, out in runs:
+        if prompt + out > context:
+            raise ConfigError(f"{prompt_name} {prompt} + {out_name} {out} = {prompt + out} "
+                              f"tokens: more than the model's context of {context}")
+    return cfg
+
+
+def run(a: argparse.Namespace) -> dict[str, float | int | str]:
+    cfg = check(a)
     model, tok = _load(a)
     llm = LLM.from_parts(model, tok, cfg)
     reqs = workload(a.seed, a.n, model.config.vocab_size, a.prompt_min, a.prompt_max,
@@ -213,7 +245,7 @@ def run(a: argparse.Namespace) -> dict[str, float | int | str]:
         bw = copy_bandwidth()
         weight_bytes = model.weight_bytes()  # type: ignore[attr-defined]  # real weights
         bound = bw / weight_bytes
-        single = single_stream(model, tok, reqs[0][0][:32], a.single_tokens)
+        single = single_stream(model, tok, reqs[0][0][:_SINGLE_PROMPT], a.single_tokens)
         result |= {"single_decode_tokens_per_s": round(single, 2),
                    "weight_mbytes": round(weight_bytes / 1e6, 1),
                    "copy_gbytes_per_s": round(bw / 1e9, 2),
@@ -223,7 +255,7 @@ def run(a: argparse.Namespace) -> dict[str, float | int | str]:
               f"({weight_bytes / 1e6:.0f} MB of weights at {bw / 1e9:.1f} GB/s), "
               f"{bound / single:.2f}x away")
     if a.batched_seqs > 0 and a.model != "stub":
-        tg = batched_decode(model, tok, a.batched_seqs, 128, 64)
+        tg = batched_decode(model, tok, a.batched_seqs, _BATCHED_PROMPT, _BATCHED_OUT)
         result["batched_decode_tokens_per_s"] = round(tg, 2)
         result["batched_seqs"] = a.batched_seqs
         print(f"{a.batched_seqs} sequences (128-token prompts, 64 out): {tg:.1f} decode tok/s, "

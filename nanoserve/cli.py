@@ -6,20 +6,30 @@ import argparse
 import logging
 import sys
 
-from nanoserve import bench
+from nanoserve import bench, flags
 from nanoserve.config import ConfigError
 
 
 def _generate(a: argparse.Namespace) -> int:
+    from nanoserve.config import EngineConfig
     from nanoserve.llm import LLM
-    from nanoserve.sampling import SamplingParams
+    from nanoserve.model.preflight import check_device, check_model
+    from nanoserve.sampling import ParamError, SamplingParams
 
+    check_device(a.device)  # before the weights load, as serve and bench judge theirs
+    context = check_model(a.model, "float32", 1, EngineConfig(), a.device).max_model_len
+    if a.max_tokens >= context:
+        raise ConfigError(f"--max-tokens {a.max_tokens} leaves no room for a prompt in the "
+                          f"model's context of {context} tokens")
     llm = LLM(a.model, device=a.device, seed=a.seed)
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed)
     prompt = a.prompt
     if a.chat:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": a.prompt}])
-    out = llm.generate(prompt, params, use_tqdm=False)[0]  # one prompt: no bar
+    try:
+        out = llm.generate(prompt, params, use_tqdm=False)[0]  # one prompt: no bar
+    except ParamError as exc:  # the prompt against --max-tokens and the context
+        raise ConfigError(str(exc)) from None
     print(out.text)
     print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]", file=sys.stderr)
     return 0
@@ -37,14 +47,14 @@ def _check_isa() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="nanoserve")
+    p = flags.Parser(prog="nanoserve")
     sub = p.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="complete one prompt offline and print the text")
     g.add_argument("prompt")
     g.add_argument("--model", default="smollm2")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-tokens", type=flags.positive_int, default=64)
+    g.add_argument("--temperature", type=flags.non_negative_float, default=0.0)
+    g.add_argument("--seed", type=flags.int64, default=0)
     g.add_argument("--device", default="cpu")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     b = sub.add_parser("bench", help="offline throughput on hf_peer.py's workload")

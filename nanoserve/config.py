@@ -63,6 +63,11 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be an integer >= 1 or unset, got {value!r}")
         if self.kv_cache_memory < 1:
             raise ConfigError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        # A request's seed is mixed from this one in 64 bits (seeds.mix64): a wider one would
+        # alias another seed silently. vLLM's range.
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or \
+                not -(1 << 63) <= self.seed < 1 << 63:
+            raise ConfigError(f"seed must be a 64-bit signed integer, got {self.seed!r}")
 
     def layout(self, context_len: int, kv_bytes_per_block: int) -> KVLayout:
         """This configuration on a model of `context_len` tokens whose KV takes
@@ -74,6 +79,9 @@ class EngineConfig:
             raise ConfigError(f"max_model_len {max_len} exceeds the model's context of "
                               f"{context_len} tokens: lower max_model_len")
         bs = self.block_size
+        if bs > max_len:  # no sequence could fill one block (prefix caching keeps full ones)
+            raise ConfigError(f"block_size {bs} exceeds max_model_len {max_len}: a block holds "
+                              f"tokens of one sequence; lower block_size")
         if self.num_blocks is not None:
             num_blocks, pool = self.num_blocks, f"num_blocks {self.num_blocks}"
         elif kv_bytes_per_block > 0:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from nanoserve import flags
 from nanoserve.config import ConfigError
 from sim.bench import cli as bench_cli
 from sim.capacity import cli as capacity_cli
@@ -43,7 +44,7 @@ _LOAD_FLAGS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="sim", description="nanoserve's simulator")
+    p = flags.Parser(prog="sim", description="nanoserve's simulator")
     sub = p.add_subparsers(dest="cmd")
     _add_convert(sub)
     _add_load(sub)
@@ -65,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", required=True, metavar="TRACE", help="the trace file to write")
+    p.add_argument("--out", required=True, type=flags.output_file, metavar="TRACE",
+                   help="the trace file to write")
     p.add_argument("--engine", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                    help="engine settings for the header (block_size=16 num_blocks=512 ...); "
                    "values are JSON, else strings")
@@ -77,14 +79,15 @@ def _add_convert(sub: Any) -> None:
     p = sub.add_parser("convert", help="an Azure LLM inference trace CSV -> a virtual-clock "
                        "trace", description="TIMESTAMP,ContextTokens,GeneratedTokens rows -> "
                        "/v1/completions requests with prompts of exactly ContextTokens tokens")
-    p.add_argument("csv", metavar="CSV")
+    p.add_argument("csv", type=flags.input_file, metavar="CSV")
     _common(p)
-    p.add_argument("--limit", type=int, metavar="N", help="at most N requests")
-    p.add_argument("--start-offset-s", type=float, default=0.0, metavar="X",
+    p.add_argument("--limit", type=flags.positive_int, metavar="N", help="at most N requests")
+    p.add_argument("--start-offset-s", type=flags.non_negative_float, default=0.0, metavar="X",
                    help="skip the rows before X seconds after the first")
     p.add_argument("--model", default="stub", help="the header's and bodies' model name")
     p.add_argument("--stream", action="store_true", help="streaming requests")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthesised prompt text")
+    p.add_argument("--seed", type=flags.int64, default=0,
+                   help="seed of the synthesised prompt text")
     p.set_defaults(main=guarded(_written(_run_convert)))
 
 

@@ -46,6 +46,7 @@ import trio
 from hypercorn.events import RawData
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.utils import wrap_app
 
 log = logging.getLogger("nanoserve.server")
 
@@ -130,8 +131,17 @@ async def serve(
     *,
     shutdown_trigger: Callable[..., Awaitable[None]],
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+    sockets: hypercorn.config.Sockets | None = None,
 ) -> None:
-    """`hypercorn.trio.serve` with the fixes installed; `task_status` gets the bound URLs."""
+    """`hypercorn.trio.serve` with the fixes installed; `task_status` gets the bound URLs.
+    `sockets`, listening already, are served instead of binding `config.bind` here (so that
+    `nanoserve serve` can refuse an address in one line before it starts: main.py)."""
     install()
-    await hypercorn.trio.serve(app, config, shutdown_trigger=shutdown_trigger,
-                               task_status=task_status)
+    if sockets is None:
+        await hypercorn.trio.serve(app, config, shutdown_trigger=shutdown_trigger,
+                                   task_status=task_status)
+        return
+    # What hypercorn.trio.serve does, with the sockets passed on.
+    await hypercorn.trio.run.worker_serve(
+        wrap_app(app, config.wsgi_max_body_size, None), config, sockets=sockets,
+        shutdown_trigger=shutdown_trigger, task_status=task_status)

@@ -27,18 +27,17 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from importlib.metadata import entry_points
-from pathlib import Path
 
 import hypercorn.config
 import trio
 
+from nanoserve import flags
 from nanoserve.config import ConfigError, EngineConfig
 from nanoserve.engine import Engine
-from nanoserve.model import kv_geometry
-from nanoserve.model.loader import peek_config
-from nanoserve.model.parallel import BACKENDS, check_tp_size
+from nanoserve.model.parallel import BACKENDS
+from nanoserve.model.preflight import check_device, check_model
 from nanoserve.model.quant import CHOICES
-from nanoserve.server import hypercorn_fixes
+from nanoserve.server import checks, hypercorn_fixes
 from nanoserve.server.app import create_app, drain
 from nanoserve.server.config import ServerConfig
 from nanoserve.server.recording import Recorder
@@ -59,47 +58,51 @@ def parse_bytes(text: str) -> int:
     unit = m.group(2).lower() if m else ""
     if m is None or unit not in _UNITS:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 2GiB, 512MiB, 1000000)")
-    return int(float(m.group(1)) * _UNITS[unit])
+    size = int(float(m.group(1)) * _UNITS[unit])
+    if size < 1:  # every size flag sizes something that must hold at least a byte
+        raise argparse.ArgumentTypeError(f"must be a size > 0, got {text!r}")
+    return size
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
     a("--host", default="127.0.0.1")
-    a("--port", type=int, default=8000, help="0 picks a free port (logged once bound)")
+    a("--port", type=flags.port, default=8000, help="0 picks a free port (logged once bound)")
     a("--model", default="smollm2", help="smollm2, stub, or a path to a Llama folder or GGUF")
-    a("--served-model-name", default=None, help="the name clients use (default: --model)")
+    a("--served-model-name", type=flags.non_empty, default=None,
+      help="the name clients use (default: --model)")
     a("--device", default="cpu")
     a("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     a("--quantization", default="auto", choices=CHOICES,
       help="auto: a GGUF's own Q4_0/Q4_1/Q8_0 blocks; none: float32; q8_0/q4_0/q4_1: that "
       "format for every matrix [auto]")
-    a("--tensor-parallel-size", "-tp", type=int, default=1,
+    a("--tensor-parallel-size", "-tp", type=flags.positive_int, default=1,
       help="shard the weights over N processes (torch.distributed) [1]")
     a("--distributed-backend", default="auto", choices=BACKENDS,
       help="auto: nccl on CUDA, gloo on the CPU [auto]")
     a("--tp-exact", action="store_true",
       help="sum the shards in rank order (all-gather) instead of all-reduce: bitwise "
       "reproducible across runs and against the in-process emulation")
-    a("--block-size", type=int, default=16)
+    a("--block-size", type=flags.positive_int, default=16)
     kv = p.add_mutually_exclusive_group()
-    kv.add_argument("--num-blocks", type=int, default=None)
+    kv.add_argument("--num-blocks", type=flags.positive_int, default=None)
     kv.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                     help="bytes for the KV pool, e.g. 2GiB")
-    a("--max-num-seqs", type=int, default=64)
-    a("--max-num-batched-tokens", type=int, default=512)
-    a("--max-model-len", type=int, default=None)
-    a("--seed", type=int, default=0)
-    a("--api-key", default=None, help="require 'Authorization: Bearer KEY' "
+    a("--max-num-seqs", type=flags.positive_int, default=64)
+    a("--max-num-batched-tokens", type=flags.positive_int, default=512)
+    a("--max-model-len", type=flags.positive_int, default=None)
+    a("--seed", type=flags.int64, default=0)
+    a("--api-key", type=flags.non_empty, default=None, help="require 'Authorization: Bearer KEY' "
       "(default: $NANOSERVE_API_KEY)")
-    a("--max-queue", type=int, default=1024,
+    a("--max-queue", type=flags.non_negative_int, default=1024,
       help="waiting requests beyond which new ones get 429")
     a("--max-body-bytes", type=parse_bytes, default=16 << 20)
-    a("--body-timeout", type=float, default=30.0,
+    a("--body-timeout", type=flags.positive_float, default=30.0,
       help="seconds to receive a request body before answering 408")
-    a("--shutdown-grace", type=float, default=10.0)
+    a("--shutdown-grace", type=flags.non_negative_float, default=10.0)
     a("--chat-template", default=None, help="a Jinja template, or a file holding one")
     a("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    a("--record", default=None, metavar="FILE",
+    a("--record", type=flags.output_file, default=None, metavar="FILE",
       help="write a trace of the traffic to FILE at shutdown (sim replay repeats it)")
     a("--record-redact", action="store_true",
       help="with --record: replace prompts by synthetic text of the same token count")
@@ -115,9 +118,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
 
 
 def server_config(a: argparse.Namespace) -> ServerConfig:
-    template = a.chat_template
-    if template is not None and Path(template).is_file():
-        template = Path(template).read_text()
+    template = checks.chat_template(a.chat_template)
     return ServerConfig(
         served_model_name=a.served_model_name or a.model,
         api_key=a.api_key or os.environ.get("NANOSERVE_API_KEY") or None,
@@ -129,10 +130,20 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
 def run(a: argparse.Namespace) -> int:
     """Serve until a signal. A configuration that can never work raises ConfigError here,
     before the socket is bound (the command line prints it as one line and exits 2)."""
+    checks.check_flags(a)
+    check_device(a.device)
     cfg = engine_config(a)
     check_fits(a, cfg)
-    recorder = _recorder(a)
-    return exit_code(trio.run(_serve, a, cfg, server_config(a), recorder), recorder, a.record)
+    config = server_config(a)
+    hc = hypercorn_config(a)
+    sockets = checks.listen(hc, a.host, a.port)  # last: nothing after it refuses a setting
+    try:
+        recorder = _recorder(a)
+    except BaseException:
+        checks.close(sockets)
+        raise
+    return exit_code(trio.run(_serve, a, cfg, config, recorder, hc, sockets), recorder,
+                     a.record)
 
 
 def exit_code(code: int, recorder: Recorder | None, record: str | None) -> int:
@@ -145,26 +156,23 @@ def exit_code(code: int, recorder: Recorder | None, record: str | None) -> int:
 
 
 def check_fits(a: argparse.Namespace, cfg: EngineConfig) -> None:
-    """Judge `cfg` against the model's metadata (its weights are loaded after the bind)."""
-    tp = a.tensor_parallel_size
-    if tp != 1:
-        if a.model == "stub":
-            raise ConfigError("--tensor-parallel-size: the stub model has no weights to shard")
-        try:
-            check_tp_size(peek_config(a.model), tp, "--tensor-parallel-size")
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        except OSError:
-            pass  # kv_geometry names the model that cannot be read
-    try:
-        context_len, per_token = kv_geometry(a.model, a.dtype, tp)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"--model {a.model}: {exc}") from None
-    cfg.layout(context_len, per_token * cfg.block_size)
+    """Judge `cfg` against the model's metadata (its weights are loaded after the bind)
+    and the memory its KV pool would take."""
+    check_model(a.model, a.dtype, a.tensor_parallel_size, cfg, a.device, a.distributed_backend)
+
+
+def hypercorn_config(a: argparse.Namespace) -> hypercorn.config.Config:
+    hc = hypercorn.config.Config()
+    hc.bind = [f"{a.host}:{a.port}"]
+    hc.graceful_timeout = a.shutdown_grace + _HYPERCORN_EXTRA_GRACE_S
+    hc.accesslog = logging.getLogger("hypercorn.access")
+    hc.errorlog = logging.getLogger("hypercorn.error")
+    return hc
 
 
 async def _serve(
-    a: argparse.Namespace, cfg: EngineConfig, config: ServerConfig, recorder: Recorder | None
+    a: argparse.Namespace, cfg: EngineConfig, config: ServerConfig, recorder: Recorder | None,
+    hc: hypercorn.config.Config, sockets: hypercorn.config.Sockets,
 ) -> int:
 
     def loader() -> Engine:
@@ -187,15 +195,10 @@ async def _serve(
 
     app = create_app(loader, config, clock=LiveClock(), id_source=lambda: uuid.uuid4().hex,
                      time_source=time.time, on_fatal=on_fatal, recorder=recorder)
-    hc = hypercorn.config.Config()
-    hc.bind = [f"{a.host}:{a.port}"]
-    hc.graceful_timeout = a.shutdown_grace + _HYPERCORN_EXTRA_GRACE_S
-    hc.accesslog = logging.getLogger("hypercorn.access")
-    hc.errorlog = logging.getLogger("hypercorn.error")
 
     async def serve(task_status: trio.TaskStatus[list[str]]) -> None:
         await hypercorn_fixes.serve(app, hc, shutdown_trigger=stop_serving.wait,
-                                    task_status=task_status)
+                                    task_status=task_status, sockets=sockets)
         served.set()
 
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:

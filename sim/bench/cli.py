@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import trio
 
+from nanoserve import flags
 from sim.bench.client import (
     BenchRequest,
     make_client,
@@ -58,28 +59,30 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--label", help="a name for this server in the result [the URL]")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--load", metavar="SPEC", help="a `sim load` spec")
-    src.add_argument("--trace", metavar="TRACE", help="send a trace's requests")
+    src.add_argument("--trace", type=flags.input_file, metavar="TRACE",
+                     help="send a trace's requests")
     for key in _LOAD_FLAGS:
         p.add_argument("--" + key.replace("_", "-"), dest=key, metavar=key.upper())
-    p.add_argument("--concurrency", type=int, metavar="N",
+    p.add_argument("--concurrency", type=flags.positive_int, metavar="N",
                    help="closed loop: N requests always in flight; arrival times ignored")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
                    help="stream the responses [yes]")
     p.add_argument("--extra-body", metavar="JSON", help="keys merged into every body")
-    p.add_argument("--warmup", type=int, default=1, metavar="N",
+    p.add_argument("--warmup", type=flags.non_negative_int, default=1, metavar="N",
                    help="send the first request N times, unmeasured, before the load [1]")
     p.add_argument("--slo", metavar="K=DUR,...", help="goodput thresholds per request: "
                    "ttft, tpot, e2e, e.g. ttft=2s,tpot=200ms")
     p.add_argument("--tokenizer", default="smollm2",
                    help="whose tokenizer sizes synthetic prompts [%(default)s]")
-    p.add_argument("--out", metavar="JSON", help="write the result here")
+    p.add_argument("--out", type=flags.output_file, metavar="JSON", help="write the result here")
     p.add_argument("--details", action="store_true", help="per-request records in --out")
     g = p.add_argument_group("prefix-cache test")
     g.add_argument("--prefix-test", action="store_true",
                    help="cold vs warm TTFT of chats sharing a system prompt")
-    g.add_argument("--prefix-tokens", type=int, default=1000)
-    g.add_argument("--prefix-n", type=int, default=5, help="requests sharing it [5]")
-    g.add_argument("--max-ratio", type=float, help="exit 1 if warm/cold TTFT exceeds this")
+    g.add_argument("--prefix-tokens", type=flags.positive_int, default=1000)
+    g.add_argument("--prefix-n", type=flags.positive_int, default=5, help="requests sharing it [5]")
+    g.add_argument("--max-ratio", type=flags.positive_float,
+                   help="exit 1 if warm/cold TTFT exceeds this")
     p.set_defaults(main=main)
     return p
 

@@ -18,6 +18,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+from nanoserve import flags
 from nanoserve.progress import LabelledProgress
 from nanoserve.tokenizer import Tokenizer
 from sim.capacity.cost import load_cost_model
@@ -38,24 +39,27 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("capacity", help="sweep rates / pool sizes / batch limits on the "
                        "engine in modelled time, and search the highest rate meeting an SLO",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("trace", nargs="?", metavar="TRACE", help="a virtual-clock trace")
+    p.add_argument("trace", nargs="?", type=flags.input_file, metavar="TRACE",
+                   help="a virtual-clock trace")
     p.add_argument("--load", metavar="SPEC", help="a load spec (see `sim load --help`)")
-    p.add_argument("--cost", required=True, metavar="COST.json", help="from `sim profile`")
+    p.add_argument("--cost", required=True, type=flags.input_file, metavar="COST.json",
+                   help="from `sim profile`")
     p.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2,...",
                    help=f"sweep one of {', '.join(SWEEPABLE)} (repeatable: the grid is "
                    "their product)")
     p.add_argument("--slo", metavar="TARGETS", help="e.g. ttft_p99=2s,tpot_p99=200ms: adds "
                    "goodput and searches the highest rate that meets it")
-    p.add_argument("--seeds", type=int, default=3, help="seeds per point (load spec only) [3]")
-    p.add_argument("--warmup", type=float, default=0.1,
+    p.add_argument("--seeds", type=flags.positive_int, default=3,
+                   help="seeds per point (load spec only) [3]")
+    p.add_argument("--warmup", type=flags.fraction, default=0.1,
                    help="fraction of requests (by arrival) left out of the metrics [0.1]")
-    p.add_argument("--replicas", type=int, default=1, help="identical servers [1]")
+    p.add_argument("--replicas", type=flags.positive_int, default=1, help="identical servers [1]")
     p.add_argument("--router", choices=ROUTERS, default="round_robin")
-    p.add_argument("--max-queue", type=int, metavar="N",
+    p.add_argument("--max-queue", type=flags.non_negative_int, metavar="N",
                    help="the server's --max-queue: a request beyond N waiting gets 429")
     p.add_argument("--engine", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                    help=f"engine settings ({', '.join(ENGINE_KEYS)})")
-    p.add_argument("--search-start", type=float, metavar="RATE",
+    p.add_argument("--search-start", type=flags.positive_float, metavar="RATE",
                    help="first rate the SLO search tries [the highest swept rate meeting it]")
     p.add_argument("--out", default="capacity", metavar="PREFIX",
                    help="writes PREFIX.json, PREFIX.csv, PREFIX.latency.png, "
@@ -63,7 +67,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--tokenizer", default="smollm2", metavar="MODEL")
     p.add_argument("--quiet", action="store_true", help="no progress bar (shown on a terminal)")
-    p.add_argument("--jobs", type=int, default=1, metavar="N",
+    p.add_argument("--jobs", type=flags.positive_int, default=1, metavar="N",
                    help="runs (one seed at one point) in N processes at once; the report is "
                    "the same byte for byte [1]")
     p.set_defaults(main=guarded(run_capacity))

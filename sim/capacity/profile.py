@@ -29,6 +29,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from nanoserve import flags
 from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.model.base import Model
@@ -188,13 +189,14 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("profile", help="measure the real engine's step time on this machine "
                        "and fit a step-cost model", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--threads", type=int, metavar="N",
+    p.add_argument("--threads", type=flags.positive_int, metavar="N",
                    help="torch CPU threads (recorded in the cost model's machine) [torch's]")
     p.add_argument("--quantization", default="auto", choices=CHOICES,
                    help="as nanoserve serve's: auto keeps a GGUF's own blocks [auto]")
     p.add_argument("--model", default="smollm2", help="smollm2, stub, or a model path")
-    p.add_argument("--out", default="cost.json", metavar="COST.json")
-    p.add_argument("--reps", type=int, default=5, help="timed steps per grid point [5]")
+    p.add_argument("--out", type=flags.output_file, default="cost.json", metavar="COST.json")
+    p.add_argument("--reps", type=flags.positive_int, default=5,
+                   help="timed steps per grid point [5]")
     p.add_argument("--quick", action="store_true", help="a tiny grid (for smoke tests)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="time steps by the wall clock, or by this thread's CPU time (with "

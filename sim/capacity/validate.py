@@ -32,6 +32,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from nanoserve import flags
 from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.model.quant import CHOICES
@@ -82,22 +83,23 @@ def add_parser(sub: Any) -> None:
                        "compare each metric with the simulator's prediction",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--load", required=True, metavar="SPEC")
-    p.add_argument("--cost", required=True, metavar="COST.json")
-    p.add_argument("--threads", type=int, metavar="N",
+    p.add_argument("--cost", required=True, type=flags.input_file, metavar="COST.json")
+    p.add_argument("--threads", type=flags.positive_int, metavar="N",
                    help="torch CPU threads (recorded in the cost model's machine) [torch's]")
     p.add_argument("--quantization", default="auto", choices=CHOICES,
                    help="as nanoserve serve's: auto keeps a GGUF's own blocks [auto]")
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--runs", type=int, default=3, help="measured runs [3]")
-    p.add_argument("--warmup", type=float, default=0.0,
+    p.add_argument("--runs", type=flags.positive_int, default=3, help="measured runs [3]")
+    p.add_argument("--warmup", type=flags.fraction, default=0.0,
                    help="fraction of requests left out of the metrics [0]")
     p.add_argument("--engine", nargs="+", action="extend", default=[], metavar="KEY=VALUE")
-    p.add_argument("--replicas", type=int, default=1,
+    p.add_argument("--replicas", type=flags.positive_int, default=1,
                    help="a fleet of N engines in one process, each with its own model [1]")
     p.add_argument("--router", choices=ROUTERS, default="round_robin",
                    help="how the fleet places arrivals, measured and simulated alike "
                    "[round_robin]")
-    p.add_argument("--out", metavar="JSON", help="also write the comparison as JSON")
+    p.add_argument("--out", type=flags.output_file, metavar="JSON",
+                   help="also write the comparison as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar (shown on a terminal)")
 
     p.set_defaults(main=guarded(run_validate))

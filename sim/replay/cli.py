@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from nanoserve import flags
 from sim.files import atomic_open
 from sim.replay.run import ReplayError, ReplayResult, replay
 from sim.trace.format import TraceError, load_trace
@@ -32,15 +33,18 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--model", default=None, metavar="stub|smollm2|PATH",
                    help="weights to replay on (default: the header's); on other weights "
                    "only the invariants and the twin are checked")
-    p.add_argument("--out", metavar="RESULT", help="write the observed outcome as "
+    p.add_argument("--out", type=flags.output_file, metavar="RESULT",
+                   help="write the observed outcome as "
                    "expectation lines (one trace only)")
     p.add_argument("--update", action="store_true",
                    help="rewrite each trace's expectation lines with what was observed")
     p.add_argument("--no-twin", dest="twin", action="store_false",
                    help="skip the second run with streams and unary requests swapped")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+    p.add_argument("--tensor-parallel-size", "-tp", type=flags.positive_int, default=1,
+                   metavar="N",
                    help="shard the weights over N processes (nanoserve serve's flag) [1]")
-    p.add_argument("--cost", metavar="FILE", help="step-cost model for virtual-clock traces "
+    p.add_argument("--cost", type=flags.input_file, metavar="FILE",
+                   help="step-cost model for virtual-clock traces "
                    "(default: the header's cost_model, else a constant per step)")
     p.set_defaults(main=_main)
 

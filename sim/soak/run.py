@@ -31,6 +31,7 @@ from typing import Any
 
 import trio
 
+from nanoserve import flags
 from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.server import ServerConfig, counter_ids, create_app, server_state
@@ -152,13 +153,13 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("soak", help="N concurrent flaky clients against the stub over a real "
                        "socket; checks nothing leaks", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--clients", type=int, default=200, metavar="N")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warmup", type=int, default=16, metavar="N",
+    p.add_argument("--clients", type=flags.positive_int, default=200, metavar="N")
+    p.add_argument("--seed", type=flags.int64, default=0)
+    p.add_argument("--warmup", type=flags.non_negative_int, default=16, metavar="N",
                    help="eager clients before the RSS baseline")
-    p.add_argument("--num-blocks", type=int, default=DEFAULT_NUM_BLOCKS, metavar="N",
+    p.add_argument("--num-blocks", type=flags.positive_int, default=DEFAULT_NUM_BLOCKS, metavar="N",
                    help="KV blocks of 16 tokens (default: the fewest that hold one sequence)")
-    p.add_argument("--timeout", type=float, default=300.0, metavar="S",
+    p.add_argument("--timeout", type=flags.positive_float, default=300.0, metavar="S",
                    help="give up (and fail) after S seconds")
     p.set_defaults(main=_main)
 

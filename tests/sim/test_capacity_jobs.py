@@ -144,5 +144,8 @@ def test_a_failed_run_raises_and_cancels_the_runs_not_started() -> None:
 def test_jobs_must_be_positive(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cost = tmp_path / "cost.json"
     COST.save(cost)
-    assert main(_cli(tmp_path, cost, 0)) == 2
-    assert "--jobs must be >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # argparse's range check, before any run
+        main(_cli(tmp_path, cost, 0))
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == ("sim capacity: error: argument --jobs: must be an "
+                                       "integer >= 1, got 0\n")

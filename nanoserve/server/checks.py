@@ -1,0 +1,90 @@
+"""`nanoserve serve`'s settings that argparse cannot judge flag by flag, judged before the
+socket is bound, and the bind itself, done before the server starts.
+
+main.run calls these in order after argparse (nanoserve.flags) and the model's checks
+(nanoserve.model.preflight): each refuses with ConfigError, which the command line prints as
+one line naming the flag, exit status 2. The bind comes last and outside Trio: a port in
+use or a host that does not resolve is then that line too, not an ExceptionGroup out of
+Hypercorn's nursery after the app has started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import socket
+from pathlib import Path
+
+import hypercorn.config
+import jinja2
+import jinja2.sandbox
+
+from nanoserve.config import ConfigError
+
+# vLLM's rule for --chat-template: a value holding one of these is a template, else a path.
+_JINJA_CHARS = "{}\n"
+
+
+def check_flags(a: argparse.Namespace) -> None:
+    """Flags that mean something only with another."""
+    if a.record_redact and a.record is None:
+        raise ConfigError("--record-redact redacts what --record writes: give --record FILE")
+
+
+def chat_template(value: str | None) -> str | None:
+    """The template `--chat-template` names: a file holding one, or the template itself,
+    compiled once here so that a syntax error is refused at start-up, not at the first chat
+    request. A value that looks like a path (no braces, one line) must be a file."""
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file() or not any(c in value for c in _JINJA_CHARS):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"--chat-template {value}: no such file (a template given "
+                              "inline holds {{ or {%)") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"--chat-template {value}: not UTF-8 text") from None
+        except OSError as exc:
+            raise ConfigError(f"--chat-template {value}: {exc.strerror or exc}") from None
+    else:
+        text = value
+    try:  # the syntax does not depend on the whitespace options tokenizer.py renders with
+        jinja2.sandbox.ImmutableSandboxedEnvironment().from_string(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ConfigError(f"--chat-template: not a valid Jinja template: {exc.message} (line "
+                          f"{exc.lineno})") from None
+    return text
+
+
+def listen(config: hypercorn.config.Config, host: str, port: int) -> hypercorn.config.Sockets:
+    """Hypercorn's sockets for `config.bind`, bound and listening (hypercorn_fixes.serve
+    takes them). Refuses what the operating system refuses, naming the flag at fault."""
+    try:
+        sockets = config.create_sockets()
+    except socket.gaierror as exc:
+        raise ConfigError(f"--host {host}: not an address or a name that resolves "
+                          f"({exc.strerror})") from None
+    except OSError as exc:
+        raise ConfigError(_bind_error(exc, host, port)) from None
+    for sock in sockets.insecure_sockets:
+        sock.listen(config.backlog)
+    return sockets
+
+
+def close(sockets: hypercorn.config.Sockets) -> None:
+    for sock in [*sockets.secure_sockets, *sockets.insecure_sockets, *sockets.quic_sockets]:
+        sock.close()
+
+
+def _bind_error(exc: OSError, host: str, port: int) -> str:
+    reason = exc.strerror or str(exc)
+    if exc.errno == errno.EADDRINUSE:
+        return f"--port {port}: {host}:{port} is in use by another program ({reason})"
+    if exc.errno == errno.EACCES:
+        return f"--port {port}: not allowed to listen there ({reason}; ports below 1024 " \
+            "need privileges)"
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return f"--host {host}: not an address of this machine ({reason})"
+    return f"--host {host} --port {port}: cannot listen there ({reason})"
