@@ -28,13 +28,21 @@ class LLM:
         tensor_parallel_size: int = 1,
         distributed_backend: str = "auto",
         tp_exact: bool = False,
+        distributed_timeout: float | None = None,
+        distributed_heartbeat_timeout: float | None = None,
         **engine_kwargs: Any,
     ) -> None:
         """`tensor_parallel_size` > 1 shards the weights over that many processes
-        (nanoserve.model.parallel); `close()` stops them (they also stop at exit)."""
+        (nanoserve.model.parallel); `close()` stops them (they also stop at exit). They are
+        fresh interpreters, so a script needs no `if __name__ == "__main__":` guard.
+        `distributed_timeout`: seconds they may take to start (default 600);
+        `distributed_heartbeat_timeout`: seconds of silence after which a rank is taken as
+        lost (default 5). A start that fails raises ModelStartError naming the rank."""
         m, tok = load(model, device=device, dtype=dtype, stub_eos_prob=stub_eos_prob,
                       quantization=quantization, tensor_parallel_size=tensor_parallel_size,
-                      distributed_backend=distributed_backend, tp_exact=tp_exact)
+                      distributed_backend=distributed_backend, tp_exact=tp_exact,
+                      distributed_timeout=distributed_timeout,
+                      distributed_heartbeat_timeout=distributed_heartbeat_timeout)
         self.engine = Engine(m, tok, EngineConfig(**engine_kwargs))
 
     def close(self) -> None:

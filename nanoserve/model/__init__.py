@@ -34,6 +34,8 @@ def load(
     tensor_parallel_size: int = 1,
     distributed_backend: str = "auto",
     tp_exact: bool = False,
+    distributed_timeout: float | None = None,
+    distributed_heartbeat_timeout: float | None = None,
 ) -> tuple[Model, Tokenizer]:
     """`smollm2` (the embedded model), `stub`, or a path to a Hugging Face Llama folder or a
     GGUF file. The stub uses SmolLM2's tokenizer, so its text behaves like the real model's.
@@ -42,7 +44,9 @@ def load(
     `tensor_parallel_size` > 1 shards the weights over that many processes (model/parallel/),
     joined by `distributed_backend` (auto: nccl on CUDA, gloo on the CPU); `tp_exact` sums
     the shards' partial outputs in rank order instead of by all-reduce (bitwise reproducible
-    against `parallel.emulate`)."""
+    against `parallel.emulate`). `distributed_timeout`: seconds the ranks may take to start
+    (and the process group's timeout); `distributed_heartbeat_timeout`: seconds of silence
+    after which a rank is taken as lost (None: parallel/group.py's defaults, 600 and 5)."""
     from nanoserve.model.loader import resolve_model
     from nanoserve.model.weights import check_choices, llama_weights, torch_dtype
 
@@ -61,8 +65,11 @@ def load(
         from nanoserve.model.parallel import LoadSpec, TensorParallelModel
 
         spec = LoadSpec(name, device, dtype, quantization)
+        timeouts = {k: v for k, v in (("timeout_s", distributed_timeout),
+                                      ("heartbeat_timeout_s", distributed_heartbeat_timeout))
+                    if v is not None}
         return TensorParallelModel(spec, tensor_parallel_size, backend=distributed_backend,
-                                   exact=tp_exact), tok
+                                   exact=tp_exact, **timeouts), tok
     from nanoserve.model.llama import LlamaModel
 
     config, weights = llama_weights(name, device=device, dtype=dtype,

@@ -42,7 +42,16 @@ class ModelConfig:
 class ModelLost(RuntimeError):
     """The model can run no further step (a tensor-parallel rank died or hung). The engine
     lets it through instead of failing only that step's requests, so the serving loop dies
-    on its usual path: every request ends with the error, /health answers 503."""
+    on its usual path: every request ends with the error, /health answers 503.
+
+    A model that can be lost between steps too (tensor parallelism: a rank that dies or
+    goes silent while the server is idle) also offers `on_lost(fn)`, and calls fn(reason)
+    once, from a thread of its own, when it is (the serving bridge listens)."""
+
+
+class ModelStartError(RuntimeError):
+    """The model could not start (a tensor-parallel rank that exited or never joined), for a
+    reason its message says in full: callers report it in one line, not as a traceback."""
 
 
 @dataclass(slots=True)

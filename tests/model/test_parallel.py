@@ -157,35 +157,6 @@ def test_batches_cross_the_channel_unchanged() -> None:
         assert decode_batch(encode_batch(b)) == b
 
 
-def test_a_payload_larger_than_the_buffer_comes_with_a_bigger_one() -> None:
-    """The channel's resize path: a worker (a thread here) takes a command whose payload
-    does not fit the shared buffer, after the buffer that holds it."""
-    import multiprocessing
-    import os
-    import threading
-
-    from nanoserve.model.parallel.channel import FORWARD, INIT_KV, RESIZE, Channel
-
-    ch = Channel(multiprocessing.get_context("spawn"), 2, capacity=8)
-    got: list[tuple[int, list[int]]] = []
-
-    def worker() -> None:
-        ch.ready(1)
-        for _ in range(3):  # INIT_KV, RESIZE, FORWARD
-            got.append(ch.receive(1, os.getppid()))
-
-    t = threading.Thread(target=worker)
-    t.start()
-    big = list(range(100))
-    ch.send(INIT_KV, [4, 16], lambda: None)
-    ch.send(FORWARD, big, lambda: None)
-    t.join(10)
-    assert [c for c, _ in got] == [INIT_KV, RESIZE, FORWARD]
-    assert got[0][1] == [4, 16]
-    assert got[2][1] == big
-    assert ch.buf.numel() >= 3 + len(big)
-
-
 # ---- SmolLM2 over a real gloo group ----------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""Rank 0's model: its own shard, plus N-1 spawned processes that hold the others.
+"""Rank 0's model: its own shard, plus N-1 worker processes that hold the others.
 
 The engine sees one `Model`. Rank 0 is the serving process and keeps everything that is not
 weights (scheduler, block pool, tokenizer, sampler: only rank 0 samples, so batch invariance
@@ -6,16 +6,26 @@ and replay are the single-process engine's); each step it posts the batch's inte
 workers (parallel/channel.py) and runs its own shard, and the all-reduces inside the layers
 keep the ranks in step. Rank 0's logits are the model's.
 
-A rank that dies fails the step that needed it: its peers' collective raises (gloo: the
-connection closes) or the wait for its ack sees the exit; a rank that hangs fails it when the
-process group's timeout expires. Either way `forward` raises RankDied, the engine dies on its
-usual path (streams end with an error frame, /health answers 503), and the remaining ranks
-are stopped. Workers are daemonic and watch their parent, so none outlives the server.
+Start-up: the workers are fresh interpreters (parallel/launch.py); each imports torch, loads
+its shard and joins the process group, marking each stage in the channel, and rank 0 waits
+for all of them for up to `timeout_s` (the rendezvous's and the collectives' timeout too),
+logging who is at which stage every 10 s. On a busy 2-core host three ranks importing torch
+at once take far longer than on an idle one, so the default is generous (600 s, vLLM's
+wait for its engine); a rank that exits fails the start at once. A start that fails is one
+ModelStartError naming each rank that was not ready and what it was doing, every worker
+killed and reaped.
+
+Running: a rank that dies or goes silent (no heartbeat for `heartbeat_timeout_s`) is seen
+by the watch (parallel/watch.py), which kills every worker, so the step that needed it fails
+at once: `forward` raises RankDied, the engine dies on its usual path (streams end with an
+error frame, /health answers 503), and `on_lost` listeners hear of it even when no step
+runs. Workers watch their parent, so none outlives the server.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import threading
@@ -26,22 +36,38 @@ from typing import Any, TypeVar
 
 import torch
 
-from nanoserve.model.base import ForwardBatch
-from nanoserve.model.parallel.channel import COPY, DIGEST, EXIT, FORWARD, INIT_KV, Channel, RankDied
+from nanoserve.model.base import ForwardBatch, ModelStartError
+from nanoserve.model.parallel.channel import (
+    COPY,
+    DIGEST,
+    EXIT,
+    FORWARD,
+    INIT_KV,
+    READY,
+    STAGES,
+    Channel,
+    RankDied,
+)
+from nanoserve.model.parallel.launch import Rank
+from nanoserve.model.parallel.watch import Watch
 from nanoserve.model.parallel.worker import (
+    Boot,
     GroupSpec,
     LoadSpec,
     all_digests,
     build_shard,
     encode_batch,
-    worker_main,
 )
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 BACKENDS = ("auto", "gloo", "nccl")
-# Seconds a collective may wait for a silent rank before the step fails (a hung rank).
-DEFAULT_TIMEOUT_S = 60.0
+# Seconds the start may take (every rank loaded and joined), and the process group's
+# timeout for the rendezvous and for a collective.
+DEFAULT_TIMEOUT_S = 600.0
+# Seconds a rank's heartbeat may stand still before the rank is taken as lost.
+DEFAULT_HEARTBEAT_TIMEOUT_S = 5.0
+_PROGRESS_EVERY_S = 10.0
 
 
 def free_port() -> int:
@@ -67,47 +93,58 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+def _seconds(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (
+            math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+    return float(value)
+
+
 class TensorParallelModel:
     """`nanoserve.model.Model` over N ranks (module docstring)."""
 
     def __init__(self, spec: LoadSpec, world_size: int, *, backend: str = "auto",
-                 exact: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 exact: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S) -> None:
         from nanoserve.model.loader import peek_config
         from nanoserve.model.parallel.shard import check_tp_size
 
+        timeout_s = _seconds("distributed_timeout", timeout_s)
+        heartbeat_timeout_s = _seconds("distributed_heartbeat_timeout", heartbeat_timeout_s)
         self.config = peek_config(spec.name)  # the whole model's shape; each rank's is less
         check_tp_size(self.config, world_size)
         self.group = GroupSpec(world_size, pick_backend(backend, spec.device), free_port(),
                                max(cpu_count() // world_size, 1), exact, timeout_s)
-        ctx = torch.multiprocessing.get_context("spawn")
-        self.channel = Channel(ctx, world_size)
-        self.procs: list[Any] = []
+        self.channel = Channel(world_size)
+        self.procs: list[Rank] = []
         self._failed: str | None = None
-        self._closing = threading.Event()  # set before any EXIT: the watch then stays quiet
-        self._lost: str | None = None  # the ranks that had exited when the watch woke
-        for rank in range(1, world_size):
-            p = ctx.Process(target=worker_main, name=f"nanoserve-tp-rank{rank}", daemon=True,
-                            args=(spec, self.group, rank, self.channel, os.getpid()))
-            p.start()
-            self.procs.append(p)
-        log.info("tensor parallel: %d ranks over %s, %d threads each; rank pids %s",
-                 world_size, self.group.backend, self.group.threads,
-                 " ".join(str(p.pid) for p in self.procs))
-        self._finalizer = weakref.finalize(self, _stop, self.channel, list(self.procs),
-                                           self._closing)
+        self._watch = Watch(self.channel.control.beats, heartbeat_timeout_s)
+        self._finalizer = weakref.finalize(self, _stop, self.channel, self.procs, self._watch)
         self._threads_before = torch.get_num_threads()
-        torch.set_num_threads(self.group.threads)  # here: a thread count is per thread
+        started = time.time()
         try:
-            self.model = self._while_alive(lambda: build_shard(spec, self.group, 0))
-            self.channel.wait_acks(0, self._check_alive, timeout_s)
+            for rank in range(1, world_size):
+                boot = Boot(spec, self.group, rank, self.channel.files, os.getpid(),
+                            logging.getLogger().getEffectiveLevel(),
+                            min(0.5, heartbeat_timeout_s / 5), started)
+                self.procs.append(Rank(boot))
+                self.channel.connect(rank, self.procs[-1].wake_fd)
+            log.info("tensor parallel: %d ranks over %s, %d threads each; rank pids %s",
+                     world_size, self.group.backend, self.group.threads,
+                     " ".join(str(p.pid) for p in self.procs))
+            torch.set_num_threads(self.group.threads)  # here: a thread count is per thread
+            self.model = self._start(spec, timeout_s)
         except BaseException as exc:
             self._failed = f"tensor parallel group failed to start: {exc}"  # no group to leave
-            self.close()
+            self.close(grace_s=0.0)
             raise
+        finally:
+            self.channel.unlink()  # every rank has mapped the files, or is gone
         self.device = self.model.device
         self.world_size = world_size
         self._last = torch.empty(0)
-        threading.Thread(target=self._watch, name="nanoserve-tp-watch", daemon=True).start()
+        self._watch.ranks = list(self.procs)
+        self._watch.start()
 
     @property
     def pids(self) -> list[int]:
@@ -141,6 +178,11 @@ class TensorParallelModel:
         with torch.no_grad():
             return self.model.lm_head(self._last).float()
 
+    def on_lost(self, fn: Callable[[str], None]) -> None:
+        """Call fn(reason), once, from the watch's thread, when a rank dies or goes silent
+        (at once, here, if one already has): the model can run no further step."""
+        self._watch.on_lost(lambda reason: fn(f"tensor parallel group failed: {reason}"))
+
     # ---- checks and lifetime --------------------------------------------------------------
 
     def digests(self) -> list[int]:
@@ -148,11 +190,13 @@ class TensorParallelModel:
         when the ranks hold the same bits, as the reduction promises."""
         return self._run(DIGEST, [], lambda: all_digests(self._last, self.world_size))
 
-    def close(self) -> None:
-        """Stop the workers (EXIT, then SIGTERM, then SIGKILL) and leave the group."""
+    def close(self, grace_s: float = 2.0) -> None:
+        """Stop the workers (EXIT; whatever has not left after `grace_s` is killed) and
+        leave the group."""
         import torch.distributed as dist
 
-        self._finalizer()
+        if self._finalizer.detach() is not None:
+            _stop(self.channel, self.procs, self._watch, grace_s)
         torch.set_num_threads(self._threads_before)
         if dist.is_initialized() and self._failed is None:
             dist.destroy_process_group()  # (a failed group's may block: the exit ends it)
@@ -167,80 +211,97 @@ class TensorParallelModel:
             self._fail(exc)
             raise RankDied(self._failed or str(exc)) from exc
 
-    def _while_alive(self, fn: Callable[[], T]) -> T:
-        """fn() in a thread while watching the workers: a rank that dies while the group
-        forms would otherwise leave rank 0 waiting for the whole timeout."""
+    def _start(self, spec: LoadSpec, timeout_s: float) -> Any:
+        """Build rank 0's shard in a thread while watching the workers start: a rank that
+        exits fails the start at once, one that does not get ready fails it at the
+        deadline, each with a message that names the ranks and their stages."""
         box: list[Any] = []
+        stages = self.channel.control.stages
+
+        def rank0_stage(stage: int) -> None:
+            stages[0] = stage
 
         def target() -> None:
             try:
-                box.append((True, fn()))
+                box.append((True, build_shard(spec, self.group, 0, rank0_stage)))
             except BaseException as exc:  # handed to the caller below
                 box.append((False, exc))
 
-        t = threading.Thread(target=target, daemon=True)
+        t = threading.Thread(target=target, name="nanoserve-tp-rank0-start", daemon=True)
         t.start()
-        while t.is_alive():
+        t0 = time.monotonic()
+        next_report = t0 + _PROGRESS_EVERY_S
+        while t.is_alive() or any(stages[r] != READY for r in range(1, self.group.world_size)):
             t.join(0.05)
-            self._check_alive()
+            now = time.monotonic()
+            for p in self.procs:
+                if p.exitcode is not None:
+                    raise ModelStartError(
+                        f"tensor parallel start-up failed: rank {p.rank} (pid {p.pid}) exited "
+                        f"with code {p.exitcode} while {STAGES[stages[p.rank]]}")
+            if box and not box[0][0]:
+                first = str(box[0][1]).splitlines()[0] if str(box[0][1]) else repr(box[0][1])
+                raise ModelStartError(
+                    f"tensor parallel start-up failed: rank 0 while {STAGES[stages[0]]}: "
+                    f"{first}; {self._not_ready()}")
+            if now - t0 > timeout_s:
+                raise ModelStartError(
+                    f"tensor parallel start-up failed: not every rank was ready within the "
+                    f"distributed timeout of {timeout_s:g} s: {self._not_ready()}")
+            if now >= next_report:
+                next_report += _PROGRESS_EVERY_S
+                log.info("tensor parallel: %.0f s into start-up (of at most %g s): %s",
+                         now - t0, timeout_s, self._not_ready())
         ok, value = box[0]
         if not ok:
             raise value
-        result: T = value
-        return result
+        log.info("tensor parallel: %d ranks ready in %.1f s", self.group.world_size,
+                 time.monotonic() - t0)
+        return value
 
-    def _watch(self) -> None:
-        """When one worker exits unasked, kill the others: a survivor may sit in a collective
-        that waits for the dead rank (gloo reports a closed connection only to the ranks
-        that talk to it), and rank 0's own collective then fails at once, not at the
-        process group's timeout."""
-        from multiprocessing.connection import wait
-
-        ready = wait([p.sentinel for p in self.procs])
-        if self._closing.is_set():
-            return
-        for p in self.procs:
-            if p.sentinel in ready:
-                p.join(1.0)  # its pipe closes a moment before its exit status is there
-        self._lost = self._dead_ranks()
-        log.error("tensor parallel: %s; stopping the other ranks", self._lost)
-        for p in self.procs:
-            if p.exitcode is None:
-                p.kill()
-
-    def _dead_ranks(self) -> str:
-        return "; ".join(f"rank {r} (pid {p.pid}) exited with code {p.exitcode}"
-                         for r, p in enumerate(self.procs, start=1) if p.exitcode is not None)
+    def _not_ready(self) -> str:
+        stages = self.channel.control.stages
+        pids = [os.getpid(), *self.pids]
+        return "; ".join(f"rank {r} (pid {pids[r]}) was {STAGES[stages[r]]}"
+                         for r in range(self.group.world_size) if stages[r] != READY
+                         ) or "every rank was ready"
 
     def _check_alive(self) -> None:
-        for rank, p in enumerate(self.procs, start=1):
+        if self._watch.lost is not None:
+            raise RankDied(f"tensor parallel group failed: {self._watch.lost}")
+        for p in self.procs:
             if p.exitcode is not None:
-                raise RankDied(f"tensor-parallel rank {rank} (pid {p.pid}) exited with "
+                raise RankDied(f"tensor-parallel rank {p.rank} (pid {p.pid}) exited with "
                                f"code {p.exitcode}")
 
     def _fail(self, exc: BaseException) -> None:
-        # A peer's broken connection can reach rank 0 before the OS has reported its exit:
-        # wait a moment for it, so that the error names the rank that died.
+        # A peer's broken connection can reach rank 0 before the watch has seen the exit (or
+        # the silence that made it kill the ranks): wait a moment for it, so that the error
+        # names the rank that was lost.
         deadline = time.monotonic() + 1.0
-        while self._lost is None and time.monotonic() < deadline:
+        while self._watch.lost is None and time.monotonic() < deadline:
             time.sleep(0.01)
-        self._failed = f"tensor parallel group failed: {self._lost or exc}"
+        self._failed = f"tensor parallel group failed: {self._watch.lost or exc}"
         log.error("%s", self._failed)
-        if self._finalizer.detach() is not None:  # the survivors are stuck: no long grace
-            _stop(self.channel, self.procs, self._closing, grace_s=1.0)
+        if self._finalizer.detach() is not None:  # the survivors are stuck: no grace
+            _stop(self.channel, self.procs, self._watch, grace_s=0.0)
 
 
-def _stop(channel: Channel, procs: list[Any], closing: threading.Event,
-          grace_s: float = 5.0) -> None:
-    """Every worker ended: asked first, then terminated, then killed."""
-    closing.set()
-    if any(p.exitcode is None for p in procs):
-        channel.post(EXIT, [])  # without waiting for acks: a stuck rank never gives one
+def _stop(channel: Channel, procs: list[Rank], watch: Watch, grace_s: float = 2.0) -> None:
+    """Every worker ended: asked to leave, and killed if it has not within `grace_s` (a
+    stopped rank never reads the request, and SIGTERM would wait for its SIGCONT)."""
+    watch.stop()
+    deadline = time.monotonic() + grace_s
+    if grace_s > 0 and all(p.exitcode is None for p in procs):
+        try:  # a worker still reading the last command must not see it half overwritten
+            channel.wait_acks(channel.seq, lambda: None, grace_s)
+            channel.post(EXIT, [])
+        except RankDied:
+            pass  # a rank that takes no command will be killed below
     for p in procs:
-        p.join(grace_s)
-        if p.exitcode is None:
-            p.terminate()
-            p.join(grace_s)
-        if p.exitcode is None:
-            p.kill()
-            p.join()
+        p.join(max(deadline - time.monotonic(), 0.0))
+    for p in procs:
+        p.kill()
+        p.join()
+        p.close_pipe()
+    channel.unlink()

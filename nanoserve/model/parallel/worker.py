@@ -1,11 +1,27 @@
 """Ranks 1..N-1: each loads its shard, joins the process group, and runs what rank 0 posts
-(parallel/channel.py) until told to exit or rank 0 is gone."""
+(parallel/channel.py) until told to exit or rank 0 is gone.
+
+`main` is the process's entry point (`python -m nanoserve.model.parallel`, parallel/launch.py
+says why not multiprocessing). It marks each stage of the start in the channel's control
+block, which rank 0 watches and names when a start-up fails, and runs a heartbeat thread
+for as long as the process lives: a counter bumped every `beat_s` seconds, from a thread so
+that it beats while the main thread computes or waits in a collective. A rank that is
+stopped (SIGSTOP), or otherwise gets no CPU, stops beating, and rank 0 sees it within its
+heartbeat timeout instead of at the process group's. The same thread ends the worker when
+its parent is gone (the pipe's end-of-file says so too, but only when the worker reads it).
+"""
 
 from __future__ import annotations
 
 import hashlib
 import logging
 import os
+import pickle
+import signal
+import struct
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -19,8 +35,12 @@ from nanoserve.model.parallel.channel import (
     EXIT,
     FORWARD,
     INIT_KV,
+    JOINING,
+    LOADING,
+    READY,
     RESIZE,
-    Channel,
+    ChannelFiles,
+    WorkerChannel,
 )
 from nanoserve.model.parallel.comm import ProcessGroupSum
 from nanoserve.model.parallel.shard import shard_weights
@@ -46,7 +66,48 @@ class GroupSpec:
     port: int
     threads: int  # torch threads per rank on the CPU
     exact: bool
-    timeout_s: float
+    timeout_s: float  # the rendezvous's and every collective's
+
+
+@dataclass(frozen=True, slots=True)
+class Boot:
+    """Everything a worker is told at start (parallel/launch.py sends it)."""
+
+    spec: LoadSpec
+    group: GroupSpec
+    rank: int
+    channel: ChannelFiles
+    parent_pid: int
+    log_level: int
+    beat_s: float  # seconds between the worker's heartbeats
+    started_at: float  # rank 0's time.time() at the launch, for the worker's log
+
+
+_LENGTH = struct.Struct("<Q")
+
+
+def encode_boot(boot: Boot) -> bytes:
+    data = pickle.dumps(boot)
+    return _LENGTH.pack(len(data)) + data
+
+
+def read_boot(fd: int) -> Boot:
+    """A worker's Boot from its stdin (the pipe then stays open for wake-ups)."""
+
+    def read_exactly(n: int) -> bytes:
+        out = b""
+        while len(out) < n:
+            chunk = os.read(fd, n - len(out))
+            if not chunk:
+                raise EOFError("rank 0 closed the pipe before the boot record arrived")
+            out += chunk
+        return out
+
+    (n,) = _LENGTH.unpack(read_exactly(_LENGTH.size))
+    boot = pickle.loads(read_exactly(n))
+    if not isinstance(boot, Boot):
+        raise TypeError(f"expected a Boot on stdin, got {type(boot).__name__}")
+    return boot
 
 
 def rank_device(device: str, rank: int) -> str:
@@ -54,22 +115,29 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{rank}" if torch.device(device).type == "cuda" else device
 
 
-def build_shard(spec: LoadSpec, group: GroupSpec, rank: int) -> LlamaModel:
-    """Join the process group (every rank, rank 0 included) and build this rank's shard."""
+def build_shard(spec: LoadSpec, group: GroupSpec, rank: int,
+                stage: Callable[[int], None]) -> LlamaModel:
+    """Build this rank's shard, then join the process group (every rank, rank 0 included),
+    telling `stage` as it goes. Loading first: the rendezvous then waits only for the
+    slowest rank's load to end, not for every rank's load to begin."""
     import torch.distributed as dist
 
+    stage(LOADING)
     torch.set_num_threads(group.threads)
     device = rank_device(spec.device, rank)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
-    dist.init_process_group(group.backend, init_method=f"tcp://127.0.0.1:{group.port}",
-                            rank=rank, world_size=group.world_size,
-                            timeout=timedelta(seconds=group.timeout_s))
     config, weights = llama_weights(spec.name, device=device, dtype=spec.dtype,
                                     quantization=spec.quantization)
     local, shard = shard_weights(config, weights, rank, group.world_size)
-    return LlamaModel(local, shard, device=device, dtype=torch_dtype(spec.dtype),
-                      reduce=ProcessGroupSum(group.world_size, exact=group.exact))
+    model = LlamaModel(local, shard, device=device, dtype=torch_dtype(spec.dtype),
+                       reduce=ProcessGroupSum(group.world_size, exact=group.exact))
+    stage(JOINING)
+    dist.init_process_group(group.backend, init_method=f"tcp://127.0.0.1:{group.port}",
+                            rank=rank, world_size=group.world_size,
+                            timeout=timedelta(seconds=group.timeout_s))
+    stage(READY)
+    return model
 
 
 def encode_batch(b: ForwardBatch) -> list[int]:
@@ -114,17 +182,61 @@ def all_digests(model_last: torch.Tensor, world_size: int) -> list[int]:
     return [int(p) for p in parts]
 
 
-def worker_main(spec: LoadSpec, group: GroupSpec, rank: int, channel: Channel,
-                parent_pid: int) -> None:
-    """The process body of rank `rank` (>= 1)."""
+def main() -> None:
+    """The worker process: its Boot from stdin, then `worker_main`."""
+    boot = read_boot(0)
+    # Ctrl-C reaches the whole process group; rank 0 decides when the ranks stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=boot.log_level,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    channel = WorkerChannel(boot.channel, boot.rank, 0)
+    threading.Thread(target=_heartbeat, args=(channel, boot.parent_pid, boot.beat_s),
+                     name="nanoserve-tp-heartbeat", daemon=True).start()
+    log.info("tensor-parallel rank %d (pid %d): started in %.1f s", boot.rank, os.getpid(),
+             time.time() - boot.started_at)
+    try:
+        model = build_shard(boot.spec, boot.group, boot.rank,
+                            _logged_stage(channel, boot.rank))
+    except Exception as exc:  # rank 0 names this rank and its stage; one line is enough
+        log.error("tensor-parallel rank %d: %s", boot.rank, str(exc).splitlines()[0])
+        log.debug("tensor-parallel rank %d failed to start", boot.rank, exc_info=True)
+        os._exit(1)
+    worker_main(model, boot.group, boot.rank, channel)
+    # Nothing is left that the OS does not free, and an interpreter's teardown with torch
+    # loaded took about a second (rank 0's close waits for it).
+    logging.shutdown()
+    os._exit(0)
+
+
+def _logged_stage(channel: WorkerChannel, rank: int) -> Callable[[int], None]:
+    t0 = time.monotonic()
+
+    def stage(s: int) -> None:
+        channel.stage(s)
+        what = {LOADING: "loading its shard", JOINING: "shard loaded; joining the group",
+                READY: "joined the group"}[s]
+        log.info("tensor-parallel rank %d: %s (%.1f s)", rank, what, time.monotonic() - t0)
+
+    return stage
+
+
+def _heartbeat(channel: WorkerChannel, parent_pid: int, every_s: float) -> None:
+    while True:
+        channel.beat()
+        if os.getppid() != parent_pid:  # rank 0 died without a word: do not linger
+            os._exit(1)
+        time.sleep(every_s)
+
+
+def worker_main(model: LlamaModel, group: GroupSpec, rank: int,
+                channel: WorkerChannel) -> None:
+    """Run what rank 0 posts until EXIT (or rank 0 is gone)."""
     import torch.distributed as dist
 
-    model = build_shard(spec, group, rank)
-    channel.ready(rank)
     last = torch.empty(0)
     try:
         while True:
-            command, payload = channel.receive(rank, parent_pid)
+            command, payload = channel.receive()
             if command == EXIT:
                 break
             if command == FORWARD:
