@@ -93,6 +93,11 @@ CASES: list[Any] = [
      S + "argument --record: no such folder: /no/such/folder"),
     ("nanoserve", _serve("--record", "{tmp}"),
      S + "argument --record: {tmp} is a folder, not a file"),
+    ("nanoserve", _serve("--allowed-origins", "*"),
+     S + "argument --allowed-origins: must be a JSON list of strings, e.g. '[\"*\"]', got '*'"),
+    ("nanoserve", _serve("--allowed-headers", '["x", 1]'),
+     S + "argument --allowed-headers: must be a JSON list of strings, e.g. '[\"*\"]', got "
+     "'[\"x\", 1]'"),
     # serve: the checks before the bind, and the bind
     ("nanoserve", _serve("--host", "256.1.1.1"),
      re.compile(re.escape(S + "--host 256.1.1.1: not an address or a name that resolves (") +

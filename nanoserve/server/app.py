@@ -31,6 +31,7 @@ from nanoserve.engine import Engine
 from nanoserve.outputs import StepResult
 from nanoserve.server import admin, openai, openapi, recording
 from nanoserve.server.config import ServerConfig
+from nanoserve.server.cors import CorsMiddleware
 from nanoserve.server.errors import ApiError, error_object
 from nanoserve.server.jobs import Registry
 from nanoserve.server.metrics import Metrics
@@ -106,6 +107,8 @@ def create_app(
             raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer "
                            "<key>'", None, "invalid_api_key")
 
+    # Outside everything else: a preflight needs no key and is no request of the API.
+    app.asgi_app = CorsMiddleware(app.asgi_app, config.cors)  # type: ignore[method-assign]
     app.register_error_handler(ApiError, _api_error)
     app.register_error_handler(HTTPException, _http_error)
     app.register_error_handler(Exception, _unexpected)

@@ -8,6 +8,18 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
+class CorsPolicy:
+    """Which browser pages on other origins may call the server (server/cors.py), as vLLM's
+    `--allowed-origins`, `--allowed-methods`, `--allowed-headers` and `--allow-credentials`
+    decide it, with its defaults: any origin, method and header, no credentials."""
+
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class ServerConfig:
     served_model_name: str
     # Never in a repr: the config ends up in logs and tracebacks.
@@ -17,3 +29,4 @@ class ServerConfig:
     body_timeout: float | None = 30.0  # seconds to receive a whole request body, else 408
     chat_template: str | None = None  # overrides the tokenizer's
     model_root: str | None = None  # what /v1/models reports as the model's source
+    cors: CorsPolicy = CorsPolicy()

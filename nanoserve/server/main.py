@@ -39,7 +39,7 @@ from nanoserve.model.preflight import check_device, check_model
 from nanoserve.model.quant import CHOICES
 from nanoserve.server import checks, hypercorn_fixes
 from nanoserve.server.app import create_app, drain
-from nanoserve.server.config import ServerConfig
+from nanoserve.server.config import CorsPolicy, ServerConfig
 from nanoserve.server.recording import Recorder
 from nanoserve.serving.clock import LiveClock
 
@@ -106,6 +106,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
       help="write a trace of the traffic to FILE at shutdown (sim replay repeats it)")
     a("--record-redact", action="store_true",
       help="with --record: replace prompts by synthetic text of the same token count")
+    # CORS, as vLLM's flags (JSON lists) and defaults: any origin may call, no credentials.
+    a("--allowed-origins", type=flags.json_str_list, default=["*"],
+      help='origins a browser page may call from, e.g. \'["https://app.example"]\' [["*"]]')
+    a("--allowed-methods", type=flags.json_str_list, default=["*"],
+      help='methods a cross-origin request may use [["*"]]')
+    a("--allowed-headers", type=flags.json_str_list, default=["*"],
+      help='headers a cross-origin request may send [["*"]]')
+    a("--allow-credentials", action="store_true",
+      help="let cross-origin requests carry cookies and Authorization (never with a `*`)")
 
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:
@@ -119,11 +128,13 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
 
 def server_config(a: argparse.Namespace) -> ServerConfig:
     template = checks.chat_template(a.chat_template)
+    cors = CorsPolicy(tuple(a.allowed_origins), tuple(a.allowed_methods),
+                      tuple(a.allowed_headers), a.allow_credentials)
     return ServerConfig(
         served_model_name=a.served_model_name or a.model,
         api_key=a.api_key or os.environ.get("NANOSERVE_API_KEY") or None,
         max_queue=a.max_queue, max_body_bytes=a.max_body_bytes, body_timeout=a.body_timeout,
-        chat_template=template, model_root=a.model,
+        chat_template=template, model_root=a.model, cors=cors,
     )
 
 
