@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from nanoserve.detokenizer import IncrementalDetokenizer
-from nanoserve.sampling import ParamError, SamplingParams
+from nanoserve.sampling import ParamError, SamplingParams, check_vocab
 from nanoserve.tokenizer import Tokenizer
 
 
@@ -34,11 +34,7 @@ def check_request(prompt_ids: list[int], params: SamplingParams, *, vocab_size: 
     """The request as Prepared, or ParamError (AdmissionError when it can never run)."""
     if not prompt_ids:
         raise ParamError("prompt", "prompt must not be empty")
-    bad = next((t for t in prompt_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise ParamError(
-            "prompt", f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})"
-        )
+    check_vocab("prompt", prompt_ids, vocab_size)
     params.check_context(
         vocab_size=vocab_size, max_model_len=max_model_len, prompt_len=len(prompt_ids)
     )

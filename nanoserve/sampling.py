@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +27,11 @@ MAX_LOGPROBS = 20  # the OpenAI API's cap on top alternatives per token
 MAX_STOP_STRINGS = 4  # the OpenAI API's cap
 MAX_ABS_PENALTY = 2.0
 MAX_ABS_LOGIT_BIAS = 100.0
+# A seed is a signed 64-bit integer, as in vLLM (torch.long's range) and what it answers a
+# 400 outside of: the sampler hashes it modulo 2**64, so a wider one would silently give the
+# draws of another seed.
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
+NAMED = 5  # a message lists this many of a field's bad items, then "and N more"
 _DECIMAL = re.compile(r"[0-9]+")  # ASCII only: str.isdecimal() would accept "١٢"
 
 
@@ -37,6 +42,18 @@ class ParamError(ValueError):
         super().__init__(message)
         self.field = field
         self.message = message
+
+
+def few(items: Sequence[object], limit: int = NAMED) -> str:
+    """The first `limit` of `items` as text, then how many more: a message names each bad
+    item of a field (every bad logit_bias key, not only the first) without growing with it."""
+    shown = ", ".join(str(i) for i in items[:limit])
+    return shown if len(items) <= limit else f"{shown} and {len(items) - limit} more"
+
+
+def _wrap64(x: int) -> int:
+    """`x` as a signed 64-bit integer (two's complement), its value modulo 2**64."""
+    return (x - MIN_SEED) % 2**64 + MIN_SEED
 
 
 def _int(name: str, value: object, lo: int | None, hi: int | None, allowed: str) -> int:
@@ -114,8 +131,8 @@ class SamplingParams:
         self.top_k = 0 if k == -1 else k
         self.min_p = _float("min_p", self.min_p, _in(self.min_p, 0.0, 1.0), "in [0, 1]")
         if self.seed is not None:
-            # Any integer: the sampler hashes it down to 64 bits (sampler.row_uniform).
-            self.seed = _int("seed", self.seed, None, None, "(or null)")
+            self.seed = _int("seed", self.seed, MIN_SEED, MAX_SEED,
+                             "in [-2**63, 2**63 - 1] (or null)")
         if self.max_tokens is not None:
             self.max_tokens = _int("max_tokens", self.max_tokens, 1, None, ">= 1 (or null)")
         hi = self.max_tokens
@@ -158,18 +175,9 @@ class SamplingParams:
 
     def check_context(self, *, vocab_size: int, max_model_len: int, prompt_len: int) -> None:
         """Checks that need the model and the prompt; raises ParamError naming the field."""
-        for tok in self.logit_bias:
-            if tok >= vocab_size:
-                raise ParamError(
-                    "logit_bias",
-                    f"logit_bias token id {tok} is outside the vocabulary [0, {vocab_size})",
-                )
-        for tok in self.stop_token_ids:
-            if tok >= vocab_size:
-                raise ParamError(
-                    "stop_token_ids",
-                    f"stop_token_ids token id {tok} is outside the vocabulary [0, {vocab_size})",
-                )
+        for name, ids in (("logit_bias", list(self.logit_bias)),
+                          ("stop_token_ids", self.stop_token_ids)):
+            check_vocab(name, ids, vocab_size)
         if self.max_tokens is not None and prompt_len + self.max_tokens > max_model_len:
             over = prompt_len + self.max_tokens - max_model_len
             raise ParamError(
@@ -183,8 +191,20 @@ class SamplingParams:
         so the children differ from each other but each is reproducible on its own."""
         if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.n:
             raise IndexError(f"child index {i!r} outside [0, {self.n})")
-        seed = None if self.seed is None else self.seed + i
+        # Wrapped into 64 bits (seed 2**63 - 1 with n=2): the draws hash the seed modulo
+        # 2**64 either way, so the children's tokens are those of seed + i.
+        seed = None if self.seed is None else _wrap64(self.seed + i)
         return dataclasses.replace(self, n=1, seed=seed)
+
+
+def check_vocab(name: str, ids: Sequence[int], vocab_size: int) -> None:
+    """ParamError naming every token id of `ids` outside [0, vocab_size) (a few, then how
+    many more), for the field `name`."""
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        what = "token id {} is" if len(bad) == 1 else "token ids {} are"
+        raise ParamError(name, f"{name}: {what.format(few(bad))} outside the vocabulary "
+                         f"[0, {vocab_size})")
 
 
 def _token_ids(value: object) -> tuple[int, ...]:
@@ -193,8 +213,11 @@ def _token_ids(value: object) -> tuple[int, ...]:
         raise ParamError(
             "stop_token_ids", f"stop_token_ids must be a list of token ids, got {value!r}"
         )
-    for v in value:
-        _int("stop_token_ids", v, 0, None, ">= 0 (each token id)")
+    bad = [f"[{i}] {v!r:.40}" for i, v in enumerate(value)
+           if isinstance(v, bool) or not isinstance(v, int) or v < 0]
+    if bad:
+        raise ParamError("stop_token_ids", f"stop_token_ids must be integers >= 0 (each token "
+                         f"id), got {few(bad)}")
     return tuple(value)
 
 
@@ -208,8 +231,10 @@ def _stop_strings(value: object) -> tuple[str, ...]:
         raise ParamError(
             "stop", f"stop allows at most {MAX_STOP_STRINGS} strings, got {len(items)}"
         )
-    if any(s == "" for s in items):
-        raise ParamError("stop", f"stop strings must be non-empty, got {value!r}")
+    empty = [f"[{i}]" for i, s in enumerate(items) if s == ""]
+    if empty:
+        where = "" if isinstance(value, str) else f" ({few(empty)} empty)"
+        raise ParamError("stop", f"stop strings must be non-empty, got {value!r:.80}{where}")
     return tuple(items)
 
 
@@ -220,24 +245,40 @@ def _logit_bias(value: object) -> dict[int, float]:
         raise ParamError(
             "logit_bias", f"logit_bias must be a map of token id to bias, got {value!r}"
         )
+    # Every bad entry is named (a few, then how many more), keys first: a client fixing one
+    # at a time would otherwise need a round trip per entry.
     out: dict[int, float] = {}
+    keys: list[str] = []
+    twice: list[int] = []
+    biases: list[str] = []
+    m = MAX_ABS_LOGIT_BIAS
     for key, bias in value.items():
         tok = _bias_key(key)
-        if tok in out:  # {"5": 1, 5: 2}: which one was meant?
-            raise ParamError("logit_bias", f"logit_bias has token id {tok} twice")
-        m = MAX_ABS_LOGIT_BIAS
-        out[tok] = _float(
-            "logit_bias", bias, _in(bias, -m, m), f"in [{-m}, {m}] (bias of token {tok})"
-        )
+        if tok is None:
+            keys.append(f"{key!r:.40}")
+        elif tok in out:  # {"5": 1, 5: 2}: which one was meant?
+            twice.append(tok)
+        elif _in(bias, -m, m):
+            out[tok] = float(bias)
+        else:
+            biases.append(f"{bias!r:.40} (bias of token {tok})")
+            out[tok] = 0.0  # a placeholder, so a later duplicate is still seen
+    if keys:
+        raise ParamError("logit_bias", "logit_bias keys must be token ids >= 0 (int or decimal "
+                         f"string), got {few(keys)}")
+    if twice:
+        ids = "token id" if len(twice) == 1 else "token ids"
+        raise ParamError("logit_bias", f"logit_bias has {ids} {few(twice)} twice")
+    if biases:
+        raise ParamError("logit_bias", f"logit_bias values must be numbers in [{-m}, {m}], "
+                         f"got {few(biases)}")
     return out
 
 
-def _bias_key(key: Any) -> int:
+def _bias_key(key: Any) -> int | None:
     # The OpenAI API sends JSON object keys, hence strings; Python callers send ints.
     if isinstance(key, str) and _DECIMAL.fullmatch(key):
         return int(key)
     if isinstance(key, int) and not isinstance(key, bool) and key >= 0:
         return key
-    raise ParamError(
-        "logit_bias", f"logit_bias keys must be token ids >= 0 (int or decimal string), got {key!r}"
-    )
+    return None

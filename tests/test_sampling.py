@@ -20,7 +20,7 @@ INVALID: list[tuple[str, Any]] = [
     *[("top_p", v) for v in (0, 0.0, -0.5, 1.0001, 2, NAN, INF, True, "0.5", None)],
     *[("top_k", v) for v in (-2, -100, 1.5, 5.0, True, "5", None)],
     *[("min_p", v) for v in (-0.01, 1.01, NAN, INF, True, "0", None)],
-    *[("seed", v) for v in (1.5, 7.0, True, False, "7", [7])],
+    *[("seed", v) for v in (1.5, 7.0, True, False, "7", [7], 2**63, -(2**63) - 1, 10**30)],
     *[("max_tokens", v) for v in (0, -1, 1.5, 16.0, True, "16")],
     *[("min_tokens", v) for v in (-1, 1.5, True, "1", None)],
     *[("ignore_eos", v) for v in (1, 0, "true", None)],
@@ -91,7 +91,8 @@ def test_every_field_has_an_invalid_case() -> None:
         ({"min_p": 2}, "min_p", "in [0, 1], got 2"),
         ({"presence_penalty": 3}, "presence_penalty", "in [-2.0, 2.0], got 3"),
         ({"repetition_penalty": 0}, "repetition_penalty", "> 0, got 0"),
-        ({"logit_bias": {"7": 200}}, "logit_bias", "in [-100.0, 100.0] (bias of token 7), got 200"),
+        ({"logit_bias": {"7": 200}}, "logit_bias", "in [-100.0, 100.0], got 200 (bias of token 7)"),
+        ({"seed": 2**63}, "seed", "in [-2**63, 2**63 - 1] (or null), got 9223372036854775808"),
         ({"logprobs": 21}, "logprobs", "in [0, 20] (or null), got 21"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4 strings, got 5"),
         ({"max_tokens": 4, "min_tokens": 5}, "min_tokens", "in [0, max_tokens=4], got 5"),
@@ -150,7 +151,8 @@ def test_normalisation() -> None:
 
 
 def test_edge_values_are_valid() -> None:
-    SamplingParams(n=128, temperature=0.0, top_p=1e-9, top_k=1, min_p=1.0, seed=-(2**70))
+    SamplingParams(n=128, temperature=0.0, top_p=1e-9, top_k=1, min_p=1.0, seed=-(2**63))
+    SamplingParams(seed=2**63 - 1, top_k=2**70)  # a top_k past the vocabulary keeps them all
     SamplingParams(max_tokens=1, min_tokens=1, logprobs=0, repetition_penalty=1e-6)
     SamplingParams(logprobs=20, presence_penalty=-2, frequency_penalty=2)
     make(logit_bias={"0": -100, 1: 100}, stop=["a", "b", "c", "d"], temperature=1e-5)
@@ -198,3 +200,48 @@ def test_child() -> None:
         p.child(3)
     with pytest.raises(IndexError):
         p.child(-1)
+
+
+def test_child_seeds_wrap_within_64_bits() -> None:
+    """seed 2**63 - 1 with n = 2: the second child's seed + 1 wraps to -2**63 (a valid seed,
+    the same draws: the sampler hashes seeds modulo 2**64), never a ParamError mid-engine."""
+    p = SamplingParams(n=3, seed=2**63 - 1)
+    assert [p.child(i).seed for i in range(3)] == [2**63 - 1, -(2**63), -(2**63) + 1]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field", "text"),
+    [
+        # Every bad item of a field is named, a few of them and then how many more.
+        ({"logit_bias": {"x": 1, "-5": 2, "7": 3, "y": 4}}, "logit_bias",
+         "keys must be token ids >= 0 (int or decimal string), got 'x', '-5', 'y'"),
+        ({"logit_bias": {"5": 500, "6": 1, "7": NAN}}, "logit_bias",
+         "got 500 (bias of token 5), nan (bias of token 7)"),
+        ({"logit_bias": {str(i): 101 for i in range(8)}}, "logit_bias",
+         "101 (bias of token 4) and 3 more"),
+        ({"logit_bias": {"5": 1, 5: 2, "6": 1, 6: 2}}, "logit_bias", "token ids 5, 6 twice"),
+        ({"stop_token_ids": [1, -1, "x", 2, 1.5]}, "stop_token_ids",
+         "got [1] -1, [2] 'x', [4] 1.5"),
+        ({"stop_token_ids": list(range(-9, 0))}, "stop_token_ids",
+         "got [0] -9, [1] -8, [2] -7, [3] -6, [4] -5 and 4 more"),
+        ({"stop": ["a", "", "b", ""]}, "stop", "([1], [3] empty)"),
+    ],
+)
+def test_message_names_every_bad_item(kwargs: dict[str, Any], field: str, text: str) -> None:
+    with pytest.raises(ParamError) as info:
+        SamplingParams(**kwargs)
+    assert info.value.field == field
+    assert text in str(info.value), str(info.value)
+
+
+def test_check_context_names_every_id_outside_the_vocabulary() -> None:
+    p = SamplingParams(logit_bias={100: 1, 5: 1, 101: 1}, stop_token_ids=(7, 100, 102))
+    with pytest.raises(ParamError) as info:
+        p.check_context(vocab_size=100, max_model_len=50, prompt_len=1)
+    assert (info.value.field, info.value.message) == (
+        "logit_bias", "logit_bias: token ids 100, 101 are outside the vocabulary [0, 100)")
+    with pytest.raises(ParamError) as info:
+        SamplingParams(stop_token_ids=tuple(range(90, 110))).check_context(
+            vocab_size=100, max_model_len=50, prompt_len=1)
+    assert info.value.message == ("stop_token_ids: token ids 100, 101, 102, 103, 104 and 5 "
+                                  "more are outside the vocabulary [0, 100)")

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from quart import Quart, Response, request
 
+from nanoserve.sampling import ParamError, check_vocab
 from nanoserve.server import parse
-from nanoserve.server.errors import ApiError, bad_request
+from nanoserve.server.errors import ApiError, bad_request, from_param_error
 from nanoserve.server.openai import read_json
 from nanoserve.server.protocol import validate
 from nanoserve.server.respond import json_response
@@ -79,8 +80,8 @@ def register(app: Quart) -> None:
         body = await read_json()
         parse.check_model(body, st.config.served_model_name)
         ids = validate(r.api.detokenize, body).tokens
-        vocab = r.engine.model.config.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise bad_request("tokens", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        try:
+            check_vocab("tokens", ids, r.engine.model.config.vocab_size)
+        except ParamError as exc:
+            raise from_param_error(exc) from None
         return json_response({"prompt": r.tokenizer.decode(ids)})

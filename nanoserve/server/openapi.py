@@ -58,8 +58,10 @@ def _generation(kind: str, choice: dict[str, Schema]) -> Schema:
 def _ok(schema: Schema, *, sse: bool = False, media: str = "application/json") -> Schema:
     content = {media: {"schema": schema}}
     if sse:
+        # No type: OpenAPI 3.1 reads this schema as the whole body (a string), 3.2 and
+        # schemathesis as each event ({"data": ...}); the frames are described in words.
         content["text/event-stream"] = {"schema": {
-            "type": "string", "description": "`data: {chunk}` frames, then `data: [DONE]`"}}
+            "description": "`data: {chunk}` frames, then `data: [DONE]`"}}
     return {"description": "OK", "content": content}
 
 

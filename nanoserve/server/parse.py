@@ -222,11 +222,11 @@ def _guided(req: Any) -> GuidedSpec | None:
         found.append(GuidedSpec.json_schema({"type": "object"}, "response_format"))
     elif rf is not None and rf.type == "json_schema":
         if rf.json_schema is None:
-            raise bad_request("response_format", "response_format of type json_schema needs "
-                              "its json_schema object")
+            raise bad_request("response_format.json_schema", "response_format.json_schema is "
+                              "required when response_format.type is json_schema", "missing")
         schema = rf.json_schema.json_schema
         found.append(GuidedSpec.json_schema({} if schema is None else schema,
-                                            "response_format"))
+                                            "response_format.json_schema.schema"))
     so = req.structured_outputs
     for field, value in (("guided_json", req.guided_json), ("guided_regex", req.guided_regex),
                          ("guided_choice", req.guided_choice),

@@ -1,8 +1,16 @@
 """The request bodies of the API as pydantic models: what parse checks, and what
 `/openapi.json` documents, declared once.
 
-The models check types and shapes, strictly (JSON's `true` is no 1, `2.0` no integer, `"2"`
-no number); a failure is a 400 whose `param` is the top-level field. Value ranges
+The models check types and shapes the way vLLM's do (pydantic's lax mode), because clients
+written against vLLM send what it takes: a boolean may come as `"true"`/`"false"`, `"1"`/`"0"`
+(or pydantic's other spellings: yes/no, on/off, t/f, y/n, any case) or as 0/1; an integer as
+`2.0` or `"2"`; a number as `"0.7"`. Two readings stay refused: a boolean where a number or a
+count goes (vLLM takes `"n": true` for 1; OpenAI refuses it, and it is a client's bug, not a
+request for one) and a number where a string goes (as in vLLM). The document states the
+canonical types, what a client should send; the lax spellings are accepted, not promised.
+A failure is a 400 whose `param` is the path of the bad value (`messages[0].role`,
+`response_format.json_schema.name`), or the field when several of its items are bad; the
+message names each of them (a few, then how many more). Value ranges
 stay where the library's own users meet them, in `SamplingParams` (and the engine, for what
 needs the model: token ids against the vocabulary, prompt plus max_tokens against the
 context), whose messages name the field and the allowed range; the models carry those
@@ -23,23 +31,44 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
-    StrictBool,
-    StrictFloat,
-    StrictInt,
     StrictStr,
     ValidationError,
     WithJsonSchema,
 )
 from pydantic.json_schema import GenerateJsonSchema
+from pydantic_core import PydanticCustomError
 
-from nanoserve.sampling import MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, MAX_LOGPROBS, MAX_N
+from nanoserve.sampling import (
+    MAX_ABS_LOGIT_BIAS,
+    MAX_ABS_PENALTY,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_SEED,
+    MIN_SEED,
+)
 from nanoserve.sampling import MAX_STOP_STRINGS as MAX_STOP
-from nanoserve.server.errors import ApiError
+from nanoserve.server.invalid import api_error
 
 Schema = dict[str, Any]
-Number = StrictInt | StrictFloat  # a JSON number; SamplingParams takes either
+
+
+def _not_a_bool(kind: str) -> BeforeValidator:
+    def check(value: Any) -> Any:
+        if isinstance(value, bool):  # before pydantic's lax mode reads true as 1
+            raise PydanticCustomError("bool_type", f"Input should be {kind}, not a boolean")
+        return value
+
+    return BeforeValidator(check)
+
+
+Bool = bool  # lax: also "true", "0", 1, ... (the module docstring)
+Int = Annotated[int, _not_a_bool("an integer")]  # also 2.0 and "2"
+# A JSON number, also "0.7"; float first, so that an integer past every double stays an int
+# and reaches SamplingParams, whose message gives the range it is outside of.
+Number = Annotated[float | int, _not_a_bool("a number"), WithJsonSchema({"type": "number"})]
 # Where a failing shape deserves more words than pydantic's message about one alternative.
 SHAPES = {
     "prompt": "a non-empty string, a list of strings, a list of token ids, or a list of such "
@@ -60,12 +89,12 @@ def schema(**annotations: Any) -> Any:
 class _Body(BaseModel):
     # Unknown fields are ignored (clients send vendor extras); the document leaves
     # additionalProperties open for them.
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(extra="ignore")
 
 
 class StreamOptions(_Body):
-    include_usage: StrictBool | None = None
-    continuous_usage_stats: Annotated[StrictBool | None, schema(
+    include_usage: Bool | None = None
+    continuous_usage_stats: Annotated[Bool | None, schema(
         description="with include_usage: usage on every chunk (vLLM's)")] = None
 
 
@@ -76,7 +105,7 @@ class TextPart(_Body):
 
 class Message(BaseModel):
     # Other keys (name, ...) reach the chat template as they came.
-    model_config = ConfigDict(strict=True, extra="allow")
+    model_config = ConfigDict(extra="allow")
     role: Annotated[StrictStr, schema(description="the chat template may refuse a role")]
     content: StrictStr | list[TextPart] | None = None
 
@@ -92,15 +121,15 @@ class JsonSchemaFormat(BaseModel):
     """OpenAI's `response_format.json_schema`: the schema the output must validate against
     (`strict` is accepted and always honoured: the output is constrained either way)."""
 
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(extra="forbid")
     name: Annotated[StrictStr, Field(min_length=1, max_length=64)]
     description: StrictStr | None = None
     json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: StrictBool | None = None
+    strict: Bool | None = None
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(extra="forbid")
     type: Literal["text", "json_object", "json_schema"]
     json_schema: Annotated[JsonSchemaFormat | None, schema(
         description="required with type json_schema")] = None
@@ -109,7 +138,7 @@ class ResponseFormat(BaseModel):
 class StructuredOutputs(BaseModel):
     """vLLM's `structured_outputs`: one of json, regex, choice or grammar."""
 
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(extra="forbid")
     json_: dict[str, Any] | StrictStr | None = Field(default=None, alias="json")
     regex: Annotated[StrictStr | None, Field(min_length=1)] = None
     choice: Annotated[list[Annotated[StrictStr, Field(min_length=1)]] | None,
@@ -138,7 +167,7 @@ def protocol(served: str, vocab: int | None = None, max_len: int | None = None) 
     and max_tokens below `max_len` once those are known."""
     hi_id = None if vocab is None else vocab - 1
     hi_tok = None if max_len is None else max_len - 1
-    TokenId = Annotated[StrictInt, schema(minimum=0, maximum=hi_id)]
+    TokenId = Annotated[Int, schema(minimum=0, maximum=hi_id)]
     TokenIds = Annotated[list[TokenId], Field(min_length=1)]
     Text = Annotated[StrictStr, Field(min_length=1)]
     pen = schema(minimum=-MAX_ABS_PENALTY, maximum=MAX_ABS_PENALTY)
@@ -149,7 +178,7 @@ def protocol(served: str, vocab: int | None = None, max_len: int | None = None) 
         "additionalProperties": {"type": "number", "minimum": -MAX_ABS_LOGIT_BIAS,
                                  "maximum": MAX_ABS_LOGIT_BIAS}})]
     StopStr = Annotated[StrictStr, schema(minLength=1)]
-    MaxTokens = Annotated[StrictInt | None, schema(
+    MaxTokens = Annotated[Int | None, schema(
         minimum=1, maximum=hi_tok,
         description="prompt + max_tokens must fit max_model_len and the KV pool (else a 400)")]
     Refused = Annotated[None, schema(description="not supported: any value is a 400")]
@@ -158,27 +187,27 @@ def protocol(served: str, vocab: int | None = None, max_len: int | None = None) 
         """The fields copied into SamplingParams, with its ranges (nanoserve/sampling.py)."""
 
         model: Annotated[StrictStr | None, schema(enum=[served])] = None
-        n: Annotated[StrictInt | None, schema(minimum=1, maximum=MAX_N)] = None
+        n: Annotated[Int | None, schema(minimum=1, maximum=MAX_N)] = None
         temperature: Annotated[Number | None, schema(minimum=0, description="0 is greedy")] = None
         top_p: Annotated[Number | None, schema(exclusiveMinimum=0, maximum=1)] = None
-        top_k: Annotated[StrictInt | None, schema(minimum=-1, description="0 or -1: off")] = None
+        top_k: Annotated[Int | None, schema(minimum=-1, description="0 or -1: off")] = None
         min_p: Annotated[Number | None, schema(minimum=0, maximum=1)] = None
-        seed: StrictInt | None = None
+        seed: Annotated[Int | None, schema(minimum=MIN_SEED, maximum=MAX_SEED)] = None
         max_tokens: MaxTokens = None
-        min_tokens: Annotated[StrictInt | None, schema(minimum=0,
+        min_tokens: Annotated[Int | None, schema(minimum=0,
                                                        description="at most max_tokens")] = None
-        ignore_eos: StrictBool | None = None
+        ignore_eos: Bool | None = None
         stop_token_ids: list[TokenId] | None = None
         stop: Annotated[StopStr | Annotated[list[StopStr], schema(maxItems=MAX_STOP)] | None,
                         Field(union_mode="left_to_right")] = None
-        include_stop_str_in_output: StrictBool | None = None
-        skip_special_tokens: StrictBool | None = None
+        include_stop_str_in_output: Bool | None = None
+        skip_special_tokens: Bool | None = None
         presence_penalty: Annotated[Number | None, pen] = None
         frequency_penalty: Annotated[Number | None, pen] = None
         repetition_penalty: Annotated[Number | None, schema(exclusiveMinimum=0)] = None
         logit_bias: Annotated[LogitBias | None, schema(
             description="token id (a decimal string) -> bias")] = None
-        stream: StrictBool | None = None
+        stream: Bool | None = None
         stream_options: Annotated[StreamOptions | None,
                                   schema(description="only with stream: true")] = None
         tools: Refused = None
@@ -202,9 +231,9 @@ def protocol(served: str, vocab: int | None = None, max_len: int | None = None) 
         model_config = ConfigDict(title="CompletionRequest")
         prompt: (Text | Annotated[list[Text], Field(min_length=1)] | TokenIds
                  | Annotated[list[TokenIds], Field(min_length=1)])
-        echo: StrictBool | None = None
-        logprobs: Annotated[StrictInt | None, schema(minimum=0, maximum=MAX_LOGPROBS)] = None
-        best_of: Annotated[StrictInt | None, schema(minimum=1, maximum=MAX_N,
+        echo: Bool | None = None
+        logprobs: Annotated[Int | None, schema(minimum=0, maximum=MAX_LOGPROBS)] = None
+        best_of: Annotated[Int | None, schema(minimum=1, maximum=MAX_N,
                                                     description="must equal n")] = None
 
     class Chat(Sampling):
@@ -212,10 +241,10 @@ def protocol(served: str, vocab: int | None = None, max_len: int | None = None) 
 
         model_config = ConfigDict(title="ChatCompletionRequest")
         messages: Annotated[list[Message], Field(min_length=1)]
-        add_generation_prompt: StrictBool | None = None
+        add_generation_prompt: Bool | None = None
         max_completion_tokens: MaxTokens = None
-        logprobs: StrictBool | None = None
-        top_logprobs: Annotated[StrictInt | None, schema(
+        logprobs: Bool | None = None
+        top_logprobs: Annotated[Int | None, schema(
             minimum=0, maximum=MAX_LOGPROBS, description="needs logprobs: true")] = None
 
     class Tokenize(_Body):
@@ -228,9 +257,9 @@ def protocol(served: str, vocab: int | None = None, max_len: int | None = None) 
         model: Annotated[StrictStr | None, schema(enum=[served])] = None
         prompt: StrictStr | None = None
         messages: Annotated[list[Message], Field(min_length=1)] | None = None
-        add_generation_prompt: StrictBool | None = None
-        add_special_tokens: StrictBool | None = None
-        return_token_strs: StrictBool | None = None
+        add_generation_prompt: Bool | None = None
+        add_special_tokens: Bool | None = None
+        return_token_strs: Bool | None = None
 
     class Detokenize(_Body):
         """Token ids back to text."""
@@ -248,21 +277,13 @@ PARAM_NAMES = {"max_completion_tokens": "max_tokens"}
 
 
 def validate(model: type[BaseModel], body: Mapping[str, Any]) -> Any:
-    """`body` as an instance of `model`, or the 400 naming its first bad field."""
+    """`body` as an instance of `model`, or the 400 naming its first bad field (each of
+    its bad items, server/invalid.py)."""
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        err = exc.errors(include_url=False)[0]
-        loc = err["loc"]
-        param = PARAM_NAMES.get(str(loc[0]), str(loc[0])) if loc else None
-        if err["type"] == "missing":
-            raise ApiError(400, f"{param} is required", param, "missing") from None
-        message = f"{param}: {err['msg']}" if param else err["msg"]
-        if param in SHAPES:
-            message += f"; {param} must be {SHAPES[param]}"
-        if not isinstance(err["input"], dict | list):
-            message += f" (got {err['input']!r:.80})"
-        raise ApiError(400, message, param, "invalid_value") from None
+        raise api_error(model, exc.errors(include_url=False), names=PARAM_NAMES,
+                        shapes=SHAPES) from None
 
 
 class _NoFieldTitles(GenerateJsonSchema):

@@ -36,7 +36,10 @@ FUZZ = settings(max_examples=100, deadline=None, derandomize=True, database=None
 
 # ---- bodies inside the document -------------------------------------------------------
 
-text = st.text(st.characters(exclude_categories=["Cs"]), min_size=1, max_size=12)
+# A prompt must come to at least one token (as in vLLM): some control characters ("\x04")
+# come to none with SmolLM2's tokenizer, and such a prompt is rightly a 400.
+text = st.text(st.characters(exclude_categories=["Cs"]), min_size=1, max_size=12).filter(
+    lambda s: bool(stub_parts()[1].encode(s)))
 token = st.integers(0, VOCAB - 1)
 prompt = st.one_of(text, st.lists(text, min_size=1, max_size=3),
                    st.lists(token, min_size=1, max_size=8),
@@ -44,7 +47,7 @@ prompt = st.one_of(text, st.lists(text, min_size=1, max_size=3),
 SAMPLING: dict[str, Any] = {
     "n": st.integers(1, 3), "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1),
     "top_k": st.integers(-1, 50), "min_p": st.floats(0, 1),
-    "seed": st.integers(-(2**70), 2**70), "ignore_eos": st.booleans(),
+    "seed": st.integers(-(2**63), 2**63 - 1), "ignore_eos": st.booleans(),
     "stop_token_ids": st.lists(token, max_size=3), "include_stop_str_in_output": st.booleans(),
     "skip_special_tokens": st.booleans(), "presence_penalty": st.floats(-2, 2),
     "frequency_penalty": st.floats(-2, 2), "repetition_penalty": st.floats(0.1, 3),

@@ -1,8 +1,9 @@
 """`/openapi.json` is honest: its paths and methods are exactly the app's URL map, it is a
 well-formed OpenAPI 3.1 document whose schemas are valid JSON Schema 2020-12, it needs the
 API key, and its request schemas agree with the server's own validators at every boundary
-(a body the schema accepts gets a 200, one it refuses gets a 400), while every answer fits
-the response schema documented for its status."""
+(a body the schema accepts gets a 200, one it refuses gets a 400, but for the lax spellings
+vLLM also reads, which the document leaves out: it states the canonical types), while every
+answer fits the response schema documented for its status."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import jsonschema_rs
 from http_harness import serving, stub_parts
 from server_harness import make_app
 
-from nanoserve.sampling import MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS
+from nanoserve.sampling import MAX_LOGPROBS, MAX_N, MAX_SEED, MAX_STOP_STRINGS, MIN_SEED
 from nanoserve.server.openapi import document
 
 AUTOMATIC = {"HEAD", "OPTIONS"}  # Quart adds these to every route; not documented
@@ -169,11 +170,15 @@ BOUNDARIES: list[tuple[str, Any, int]] = [
     ("/v1/completions", {**BASE, "prompt": [1], "max_tokens": 1023}, 200),  # max_model_len
     ("/v1/completions", {**BASE, "prompt": [1], "max_tokens": 1024}, 400),  # is 1024
     ("/v1/completions", {**BASE, "max_tokens": 0}, 400),
-    ("/v1/completions", {**BASE, "seed": -(2**70)}, 200),
+    ("/v1/completions", {**BASE, "seed": MIN_SEED}, 200),
+    ("/v1/completions", {**BASE, "seed": MAX_SEED}, 200),
+    ("/v1/completions", {**BASE, "seed": MIN_SEED - 1}, 400),
+    ("/v1/completions", {**BASE, "seed": MAX_SEED + 1}, 400),
     ("/v1/completions", {**BASE, "seed": 1.5}, 400),
     ("/v1/completions", {**BASE, "suffix": None}, 200),
     ("/v1/completions", {**BASE, "suffix": "x"}, 400),
-    ("/v1/completions", {**BASE, "echo": "yes"}, 400),
+    ("/v1/completions", {**BASE, "echo": "maybe"}, 400),
+    ("/v1/completions", {**BASE, "n": True}, 400),
     ("/v1/completions", {**BASE, "model": "stub"}, 200),
     ("/v1/completions", {**BASE, "model": "other"}, 404),
     ("/v1/completions", {"max_tokens": 1}, 400),
@@ -200,6 +205,26 @@ BOUNDARIES: list[tuple[str, Any, int]] = [
     ("/detokenize", {"tokens": [VOCAB]}, 400),
     ("/detokenize", {"tokens": []}, 400),
 ]
+
+
+# What vLLM's lax models also read (server/protocol.py): served, and not in the document.
+LAX: list[tuple[str, Any]] = [
+    ("/v1/completions", {**BASE, "echo": "yes"}),
+    ("/v1/completions", {**BASE, "n": "2", "max_tokens": 2.0, "temperature": "0.5"}),
+    ("/v1/completions", {**BASE, "seed": str(MAX_SEED), "logit_bias": {"5": "1"}}),
+    ("/v1/chat/completions", {**CHAT, "logprobs": "true", "top_logprobs": "2", "stream": 0}),
+]
+
+
+async def test_lax_spellings_are_served_but_not_documented() -> None:
+    async with serving(make_app()) as h:
+        doc = (await h.request("GET", "/openapi.json")).json()
+        for path, body in LAX:
+            schema = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"][
+                "schema"]
+            r = await h.post(path, body)
+            assert r.status == 200, (path, body, r.body)
+            assert not validator(doc, schema).is_valid(body), (path, body)
 
 
 async def test_request_schemas_agree_with_the_validators() -> None:
