@@ -28,6 +28,7 @@ from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
 
 from nanoserve.engine import Engine
+from nanoserve.model.base import ModelStartError
 from nanoserve.outputs import StepResult
 from nanoserve.server import admin, openai, openapi, recording
 from nanoserve.server.config import ServerConfig
@@ -163,7 +164,10 @@ async def _run_engine(
         try:
             engine = await _load(source)
         except Exception as exc:
-            log.exception("the model failed to load")
+            if isinstance(exc, ModelStartError):  # its message says it all: no traceback
+                log.error("the model failed to load: %s", exc)
+            else:
+                log.exception("the model failed to load")
             st.load_error = repr(exc)
             if on_fatal is not None:
                 on_fatal(exc)
@@ -211,11 +215,17 @@ async def _load(loader: Callable[[], Engine]) -> Engine:
             await trio.sleep(_PROGRESS_EVERY_S)
             log.info("still loading the model (%.0f s)", trio.current_time() - started)
 
+    failure: Exception | None = None
     async with trio.open_nursery() as nursery:
         nursery.start_soon(progress)
-        # abandon_on_cancel: a shutdown during a long load must not wait for it to finish.
-        engine = await trio.to_thread.run_sync(loader, abandon_on_cancel=True)
+        try:
+            # abandon_on_cancel: a shutdown during a long load must not wait for it to finish.
+            engine = await trio.to_thread.run_sync(loader, abandon_on_cancel=True)
+        except Exception as exc:  # raised below: the loader's own error, not a group of one
+            failure = exc
         nursery.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
     log.info("model loaded in %.1f s", trio.current_time() - started)
     return engine
 

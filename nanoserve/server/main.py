@@ -11,9 +11,10 @@ Hypercorn's own grace period is set a second longer, so it never cuts a stream b
 app has ended it properly; it also waits that long for idle keep-alive connections (it does
 not close them on shutdown), so a shutdown takes up to grace + 1 s. A second signal ends
 everything at once. The exit status is 0
-after a signal and 1 when the weights fail to load. With `--record FILE` the trace is
-written once the engine has stopped, after every request has ended, so a graceful shutdown
-leaves a complete trace.
+after a signal, 1 when the weights fail to load, and 2 when tensor-parallel ranks cannot start
+(logged in one line that names them: nanoserve.model.parallel.group). With `--record FILE`
+the trace is written once the engine has stopped, after every request has ended, so a
+graceful shutdown leaves a complete trace.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ import trio
 from nanoserve import flags
 from nanoserve.config import ConfigError, EngineConfig
 from nanoserve.engine import Engine
-from nanoserve.model.parallel import BACKENDS
+from nanoserve.model.base import ModelStartError
+from nanoserve.model.parallel import BACKENDS, DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_TIMEOUT_S
 from nanoserve.model.preflight import check_device, check_model
 from nanoserve.model.quant import CHOICES
 from nanoserve.server import checks, hypercorn_fixes
@@ -83,6 +85,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     a("--tp-exact", action="store_true",
       help="sum the shards in rank order (all-gather) instead of all-reduce: bitwise "
       "reproducible across runs and against the in-process emulation")
+    a("--distributed-timeout", type=flags.positive_float, default=DEFAULT_TIMEOUT_S,
+      metavar="SECONDS", help="seconds the tensor-parallel ranks may take to start (import, "
+      f"load, join; slow on a busy host), and the process group's timeout [{DEFAULT_TIMEOUT_S:g}]")
+    a("--distributed-heartbeat-timeout", type=flags.positive_float,
+      default=DEFAULT_HEARTBEAT_TIMEOUT_S, metavar="SECONDS",
+      help="seconds a tensor-parallel rank may go silent (stopped, hung) before it is taken as "
+      f"lost: the engine fails and /health answers 503 [{DEFAULT_HEARTBEAT_TIMEOUT_S:g}]")
     a("--block-size", type=flags.positive_int, default=16)
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--num-blocks", type=flags.positive_int, default=None)
@@ -194,7 +203,9 @@ async def _serve(
                                 quantization=a.quantization,
                                 tensor_parallel_size=a.tensor_parallel_size,
                                 distributed_backend=a.distributed_backend,
-                                tp_exact=a.tp_exact)
+                                tp_exact=a.tp_exact,
+                                distributed_timeout=a.distributed_timeout,
+                                distributed_heartbeat_timeout=a.distributed_heartbeat_timeout)
         return Engine(model, tokenizer, cfg)
 
     stop_requested, hurry, stop_serving, served = (trio.Event() for _ in range(4))
@@ -229,6 +240,8 @@ async def _serve(
             await served.wait()
             nursery.cancel_scope.cancel()
     log.info("stopped")
+    if failed and isinstance(failed[0], ModelStartError):
+        return 2  # a start that cannot be, told in one line: as a refused setting
     return 1 if failed else 0
 
 

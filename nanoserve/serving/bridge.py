@@ -11,6 +11,11 @@ slow the batch. A reader that stops (closes its stream, is cancelled, drops it) 
 request: its abort is a synchronous call, because any await in a cancelled `finally` would be
 cancelled again (DESIGN.md pitfalls).
 
+A model that can be lost between steps (a tensor-parallel rank that dies or goes silent:
+`on_lost`, nanoserve.model.base) tells the bridge from its own thread; the news reaches the
+loop through the Trio token, `healthy` turns False at once (/health 503 on an idle server
+too), and the loop fails everything in flight (a running step fails by itself).
+
 Nothing is lost silently: every request the bridge accepts ends with a final update for each
 of its completions, the engine's own (length, stop, abort, a step's error) or one the bridge
 writes (aborted before admission, admission failed, the loop failed, the bridge closed);
@@ -24,6 +29,7 @@ step count at that point.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections import deque
@@ -67,6 +73,7 @@ class AsyncEngine:
         self._went_idle = trio.Event()  # set each time the loop runs out of work
         self._loop_idle = False
         self._dead: str | None = None
+        self._lost: str | None = None  # the model's own report that it can run no step
         self._admitted = self._aborted = 0
         # Read only in the loop task between steps: a live step's thread may be mutating the
         # engine while another task asks for statistics.
@@ -78,6 +85,15 @@ class AsyncEngine:
         cls, engine: Engine, clock: Clock, recorder: BridgeRecorder | None = None
     ) -> AsyncIterator[AsyncEngine]:
         self = cls(engine, clock, recorder)
+        on_lost = getattr(engine.model, "on_lost", None)
+        if on_lost is not None:
+            token = trio.lowlevel.current_trio_token()
+
+            def lost(reason: str) -> None:  # in the model's thread
+                with contextlib.suppress(trio.RunFinishedError):  # nobody left to tell
+                    token.run_sync_soon(self._model_lost, reason)
+
+            on_lost(lost)
         body_error: BaseException | None = None
         try:
             async with trio.open_nursery() as nursery:
@@ -146,7 +162,7 @@ class AsyncEngine:
 
     @property
     def healthy(self) -> bool:
-        return self._dead is None
+        return self._dead is None and self._lost is None
 
     def statistics(self) -> BridgeStats:
         s = self._snapshot
@@ -169,12 +185,26 @@ class AsyncEngine:
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
+        if self._lost is not None:
+            raise EngineDeadError(self._lost)
+
+    def _model_lost(self, reason: str) -> None:
+        """In the Trio thread: the model says it can run no further step."""
+        if self._lost is None and self._dead is None:
+            self._lost = reason
+            self._wakeup.set()  # an idle loop fails everything now
 
     # -- the loop task: the engine's single writer -----------------------------------------
 
     async def _loop(self) -> None:
         try:
             while True:
+                if self._lost is not None:
+                    log.error("AsyncEngine: the model was lost after step %d: %s",
+                              self._engine.num_steps, self._lost)
+                    self._fail_all(f"the model was lost after step {self._engine.num_steps}: "
+                                   f"{self._lost}")
+                    return
                 if not (self._inbox or self._engine.has_unfinished()):
                     await self._idle()
                     continue
