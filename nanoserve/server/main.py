@@ -257,7 +257,7 @@ def _recorder(a: argparse.Namespace) -> Recorder | None:
     recorder_class = next(iter(found)).load()
     log.info("recording traffic to %s%s", a.record, " (prompts redacted)"
              if a.record_redact else "")
-    try:  # the recorder creates its file now, so a path it cannot write fails before the bind
+    try:  # it creates (truncates) its file: last of the checks, one line if it cannot
         recorder: Recorder = recorder_class(a.record, weights=a.model, redact=a.record_redact)
     except OSError as exc:
         raise ConfigError(f"--record {a.record}: {exc.strerror or exc}") from None
