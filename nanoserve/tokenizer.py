@@ -26,8 +26,11 @@ class Tokenizer:
         bos_token_id: int | None,
         chat_template: str | None,
         special_tokens: Mapping[str, str] | None = None,
+        config: Mapping[str, Any] | None = None,
     ) -> None:
         self._tok = tok
+        # tokenizer_config.json as the folder had it: what `/tokenizer_info` reports.
+        self.config: dict[str, Any] = dict(config or {})
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self.eos_token_ids = tuple(eos_token_ids)
         self.bos_token_id = bos_token_id
@@ -81,6 +84,7 @@ class Tokenizer:
             bos_token_id=bos,
             chat_template=template,
             special_tokens=specials,
+            config=cfg,
         )
 
     def to_json(self) -> str:
@@ -95,6 +99,8 @@ class Tokenizer:
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary's own string for the id (transformers' `convert_ids_to_tokens`):
+        "Ġis" for a byte-level BPE token, not its decoded text " is"."""
         return self._tok.id_to_token(token_id)
 
     def apply_chat_template(

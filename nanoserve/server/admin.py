@@ -4,7 +4,10 @@ detokenize.
 `/health` is the one route without authentication (load balancers probe it without keys);
 it answers 503 while weights load, after a failed load, once a shutdown has begun, and when
 the bridge's loop has died, so a balancer stops sending traffic in each of those cases.
-`/tokenize` and `/detokenize` take vLLM's request and response shapes. `/server_info` is
+`/tokenize` and `/detokenize` take vLLM's request and response shapes, and `/tokenizer_info`
+answers as vLLM's does: the tokenizer's config (tokenizer_config.json, less file paths) with
+its class and the chat template the server renders with; like every route but `/health` it
+needs the key (it shows the chat template). `/server_info` is
 SGLang's route of that name cut to the one field its router (sglang-router 0.3, in front of
 replicas) reads when it registers a worker: `served_model_name`, the model it files the
 worker under (without the route it files it as "unknown", and lists that in its
@@ -12,6 +15,8 @@ worker under (without the route it files it as "unknown", and lists that in its
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from quart import Quart, Response, request
 
@@ -22,6 +27,7 @@ from nanoserve.server.openai import read_json
 from nanoserve.server.protocol import validate
 from nanoserve.server.respond import json_response
 from nanoserve.server.state import current_state, ready
+from nanoserve.tokenizer import Tokenizer
 
 
 def register(app: Quart) -> None:
@@ -69,9 +75,18 @@ def register(app: Quart) -> None:
         else:
             text = req.prompt
         ids = r.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
-        strs = [r.tokens.text(t) for t in ids] if req.return_token_strs else None
+        # The vocabulary's own strings ("Ġis"), as vLLM returns them: a client maps these
+        # back to ids, which decoded text (" is") cannot do.
+        strs = ([r.tokenizer.id_to_token(t) or "" for t in ids] if req.return_token_strs
+                else None)
         return json_response({"count": len(ids), "max_model_len": r.engine.max_model_len,
                               "tokens": ids, "token_strs": strs})
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> Response:
+        st = current_state()
+        tok = ready(st).tokenizer
+        return json_response(tokenizer_config(tok, st.config.chat_template))
 
     @app.post("/detokenize")
     async def detokenize() -> Response:
@@ -85,3 +100,21 @@ def register(app: Quart) -> None:
         except ParamError as exc:
             raise from_param_error(exc) from None
         return json_response({"prompt": r.tokenizer.decode(ids)})
+
+
+def tokenizer_config(tok: Tokenizer, chat_template: str | None) -> dict[str, Any]:
+    """vLLM's `/tokenizer_info` body: the config's entries, an added token's `{"content":
+    ...}` object as its text, file paths dropped (they name files of the server's disk)."""
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, dict):
+            return v["content"] if "content" in v else {k: plain(x) for k, x in v.items()}
+        return [plain(x) for x in v] if isinstance(v, list) else v
+
+    out = {k: plain(v) for k, v in tok.config.items() if k not in ("vocab_file", "merges_file")}
+    # What transformers would load a bare tokenizer.json as, when the config names no class.
+    out.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+    template = chat_template or tok.chat_template
+    if template is not None:
+        out["chat_template"] = template
+    return out

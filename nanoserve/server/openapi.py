@@ -102,6 +102,9 @@ def document(config: ServerConfig, *, vocab_size: int | None = None,
     card = _obj({"id": _STR, "object": {"const": "model"}, "created": _NUM,
                  "owned_by": _STR, "root": _STR, "parent": {"type": "null"},
                  "max_model_len": {"type": ["integer", "null"]}})
+    tok_info = {**_obj({"tokenizer_class": _STR}), "properties": {
+        "tokenizer_class": _STR, "chat_template": _STR, "model_max_length": {"type": "number"}},
+        "description": "tokenizer_config.json's entries (added tokens as their text)"}
     tok_out = _obj({"count": _NUM, "max_model_len": _NUM,
                     "tokens": {"type": "array", "items": _NUM},
                     "token_strs": {"type": ["array", "null"], "items": _STR}})
@@ -128,6 +131,8 @@ def document(config: ServerConfig, *, vocab_size: int | None = None,
                                  body["/tokenize"])},
         "/detokenize": {"post": op("Token ids to text", _ok(_obj({"prompt": _STR})), aux,
                                    body["/detokenize"])},
+        "/tokenizer_info": {"get": op("The tokenizer's config and chat template (vLLM's)",
+                                      _ok(tok_info), (503,), None)},
         "/openapi.json": {"get": op("This document", _ok({"type": "object"}), (), None)},
     }
     doc: Schema = {
