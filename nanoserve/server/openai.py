@@ -72,11 +72,10 @@ def register(app: Quart) -> None:
         req = parse.completion(await read_json(), r.api)
         prefixes = [""] * len(req.prompts)
         if req.echo:
-            prefixes = [
-                p if isinstance(p, str)
-                else r.tokenizer.decode(p, skip_special_tokens=req.params.skip_special_tokens)
-                for p in req.prompts
-            ]
+            # As vLLM: the prompt is echoed whole, special tokens included, so the text says
+            # what its logprobs' tokens say; skip_special_tokens is about generated text.
+            prefixes = [p if isinstance(p, str) else r.tokenizer.decode(
+                p, skip_special_tokens=False) for p in req.prompts]
         return await _generate(st, r, "completion", req, prefixes)
 
     @app.post("/v1/chat/completions")
