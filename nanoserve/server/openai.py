@@ -51,13 +51,16 @@ def prepare_all(r: Ready, req: parse.GenerateRequest) -> list[Prepared]:
 
 
 async def _generate(
-    st: ServerState, r: Ready, kind: str, req: parse.GenerateRequest, prefixes: Sequence[str]
+    st: ServerState, r: Ready, kind: str, req: parse.GenerateRequest,
+    prefixes: Sequence[str] | None,
 ) -> Response:
     prepared = prepare_all(r, req)
     core = request_core_id(st)
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     shapes = Shapes(kind, f"{prefix}-{core}", int(st.now()), st.config.served_model_name,
-                    r.tokens, req.params.logprobs is not None)
+                    r.tokens, req.params.logprobs is not None,
+                    num_top=req.params.logprobs or 0, prompt_logprobs=req.prompt_logprobs,
+                    token_ids=req.return_token_ids)
     return await respond(
         r.registry, current_app.nursery, prepared, shapes, prefixes,  # type: ignore[attr-defined]
         stream=req.stream, usage=req.usage, headers={"X-Request-Id": core},
@@ -70,7 +73,7 @@ def register(app: Quart) -> None:
         st = current_state()
         r = ready(st)
         req = parse.completion(await read_json(), r.api)
-        prefixes = [""] * len(req.prompts)
+        prefixes: list[str] | None = None
         if req.echo:
             # As vLLM: the prompt is echoed whole, special tokens included, so the text says
             # what its logprobs' tokens say; skip_special_tokens is about generated text.
@@ -83,4 +86,4 @@ def register(app: Quart) -> None:
         st = current_state()
         r = ready(st)
         req = parse.chat(await read_json(), r.api, r.tokenizer, st.config.chat_template)
-        return await _generate(st, r, "chat", req, [""])
+        return await _generate(st, r, "chat", req, None)

@@ -48,11 +48,28 @@ _FINISH = {"finish_reason": {"type": ["string", "null"]},
            "stop_reason": {"type": ["string", "integer", "null"]}}
 
 
+_IDS = {"type": "array", "items": _NUM}
+# vLLM's prompt_logprobs: null for the first prompt token, then token id -> its logprob
+# (null as a whole when the request ended before its first token).
+_LOGPROB = _obj({"logprob": {"type": "number"}, "rank": _NUM, "decoded_token": _STR})
+_PROMPT_LOGPROBS = {"type": ["array", "null"],
+                    "items": {"type": ["object", "null"], "additionalProperties": _LOGPROB}}
+# Present only when asked for (prompt_logprobs, return_token_ids): chat puts the prompt's
+# on the response, completions on each choice.
+_PROMPT_EXTRAS = {"prompt_logprobs": _PROMPT_LOGPROBS, "prompt_token_ids": _IDS}
+
+
 def _generation(kind: str, choice: dict[str, Schema]) -> Schema:
-    return _obj({"id": _STR, "object": {"const": kind}, "created": _NUM, "model": _STR,
-                 "usage": _USAGE, "choices": {"type": "array", "items": _obj(
-                     {"index": _NUM, "logprobs": {"type": ["object", "null"]},
-                      **_FINISH, **choice})}})
+    chat = kind == "chat.completion"
+    extra_choice = {"token_ids": _IDS, **({} if chat else _PROMPT_EXTRAS)}
+    out = _obj({"id": _STR, "object": {"const": kind}, "created": _NUM, "model": _STR,
+                "usage": _USAGE, "choices": {"type": "array", "items": _obj(
+                    {"index": _NUM, "logprobs": {"type": ["object", "null"]},
+                     **_FINISH, **choice})}})
+    out["properties"]["choices"]["items"]["properties"].update(extra_choice)
+    if chat:
+        out["properties"].update(_PROMPT_EXTRAS)
+    return out
 
 
 def _ok(schema: Schema, *, sse: bool = False, media: str = "application/json") -> Schema:

@@ -34,8 +34,9 @@ _SAMPLING_FIELDS = (
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "ignore_eos",
     "stop_token_ids", "stop", "include_stop_str_in_output", "skip_special_tokens",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+    "prompt_logprobs",
 )  # fmt: skip
-_REFUSED = ("tools", "tool_choice", "functions", "function_call", "suffix", "prompt_logprobs")
+_REFUSED = ("tools", "tool_choice", "functions", "function_call", "suffix")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI completions API's default
 
 
@@ -57,6 +58,10 @@ class GenerateRequest:
     stream: bool
     usage: StreamUsage
     echo: bool = False
+    # vLLM's: answer with the prompt's logprobs (when asked by name, not merely implied by
+    # echo with logprobs), and with the prompt's and the completions' token ids.
+    prompt_logprobs: bool = False
+    return_token_ids: bool = False
 
 
 def loads(raw: bytes) -> dict[str, Any]:
@@ -145,9 +150,11 @@ def completion(body: Mapping[str, Any], api: Protocol) -> GenerateRequest:
     echo = bool(req.echo)
     if req.logprobs is not None:
         fields["logprobs"] = req.logprobs
-        if echo:  # the echoed prompt comes with its own logprobs, as in OpenAI's and vLLM's
+        # The echoed prompt comes with its own logprobs, as in OpenAI's and vLLM's; as in
+        # vLLM's, an explicit prompt_logprobs sets how many alternatives they are scored with.
+        if echo and "prompt_logprobs" not in fields:
             fields["prompt_logprobs"] = req.logprobs
-    return GenerateRequest(prompts, _params(fields), *_stream(req), echo)
+    return GenerateRequest(prompts, _params(fields), *_stream(req), echo, *_returns(req))
 
 
 def chat(
@@ -173,7 +180,7 @@ def chat(
             raise bad_request("top_logprobs", exc.message.replace("logprobs", "top_logprobs",
                                                                   1)) from None
         raise from_param_error(exc) from None
-    return GenerateRequest((text,), params, *stream)
+    return GenerateRequest((text,), params, *stream, False, *_returns(req))
 
 
 def chat_text(messages: Sequence[Message], add_generation_prompt: bool | None,
@@ -188,6 +195,11 @@ def chat_text(messages: Sequence[Message], add_generation_prompt: bool | None,
         )
     except Exception as exc:  # jinja's TemplateError, or a template that raises on roles
         raise bad_request("messages", f"the chat template rejected the messages: {exc}") from None
+
+
+def _returns(req: Any) -> tuple[bool, bool]:
+    """What the answer carries beyond the OpenAI shape: prompt_logprobs, token ids."""
+    return req.prompt_logprobs is not None, bool(req.return_token_ids)
 
 
 def _stream(req: Any) -> tuple[bool, StreamUsage]:

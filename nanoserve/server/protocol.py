@@ -215,7 +215,12 @@ def protocol(served: str, vocab: int | None = None, max_len: int | None = None) 
         functions: Refused = None
         function_call: Refused = None
         suffix: Refused = None
-        prompt_logprobs: Refused = None
+        # vLLM's extras for scoring (lm-evaluation-harness's loglikelihood) and tracing.
+        prompt_logprobs: Annotated[Int | None, schema(
+            minimum=0, maximum=MAX_LOGPROBS, description="vLLM's: each prompt token's "
+            "logprob and this many alternatives (the first token's entry is null)")] = None
+        return_token_ids: Annotated[Bool | None, schema(
+            description="vLLM's: prompt_token_ids and token_ids in the answer")] = None
         # Structured outputs (nanoserve/grammar.py): at most one of these per request.
         response_format: ResponseFormat | None = None
         guided_json: dict[str, Any] | StrictStr | None = None

@@ -11,6 +11,13 @@ alphabet (byte 0x20 is "Ġ", and so on); a token in the middle of a multi-byte c
 not valid UTF-8 alone. `TokenText` maps a token back to its bytes (the chat API's `bytes`
 field) and shows undecodable bytes as `\\xNN` escapes, as the OpenAI API does, rather than
 as U+FFFD, which would hide which bytes they were.
+
+vLLM's extras. `prompt_logprobs` (asked for by name) is vLLM's list: null for the first
+prompt token, then per token a map of token id (a string, as JSON keys are) to `{logprob,
+rank, decoded_token}`, the prompt's own token first and then its top alternatives. It goes
+on the choice for completions and on the response for chat, and, in a stream, on the first
+chunk of each choice. `return_token_ids` adds `prompt_token_ids` (first chunk) and
+`token_ids` (each chunk's own, so they concatenate to the unary list) as vLLM does.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from typing import Any
 
 from nanoserve.request import Update
 from nanoserve.sampler import TokenLogprobs
+from nanoserve.sampling import MAX_LOGPROBS
 from nanoserve.tokenizer import Tokenizer
 
 Json = dict[str, Any]
@@ -85,8 +93,11 @@ class Choice:
     index: int
     prefix: str = ""  # echoed prompt text, sent with the first chunk
     prompt_ids: tuple[int, ...] = ()  # names the first prompt token, which has no logprobs
+    echo: bool = False  # the prompt's logprobs lead the completion's own
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    sent_ids: int = 0  # how many of token_ids the chunks so far carried
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
     logprobs: list[Entry] = field(default_factory=list)
     pending: list[Entry] = field(default_factory=list)
     offset: int = 0  # text_offset of the next token: runs over the echoed prompt's tokens too
@@ -101,8 +112,10 @@ class Choice:
         self.text.append(u.text)
         got: list[Entry] = []
         if u.prompt_logprobs is not None:
-            got += [(lp.token_id if lp is not None else self.prompt_ids[0], lp)
-                    for lp in u.prompt_logprobs]
+            self.prompt_logprobs = u.prompt_logprobs
+            if self.echo:
+                got += [(lp.token_id if lp is not None else self.prompt_ids[0], lp)
+                        for lp in u.prompt_logprobs]
         got += [(lp.token_id, lp) for lp in u.logprobs if lp is not None]
         self.logprobs.extend(got)
         self.pending.extend(got)
@@ -122,6 +135,11 @@ class Shapes:
     model: str
     tokens: TokenText
     logprobs: bool  # were logprobs asked for (else the field is null)
+    # How many alternatives a token's logprobs list: an echoed prompt's may hold more (its
+    # prompt_logprobs count), cut to the completion's own, as vLLM's echo does.
+    num_top: int = MAX_LOGPROBS
+    prompt_logprobs: bool = False  # vLLM's extras (module docstring)
+    token_ids: bool = False
 
     def chunk(self, c: Choice, text: str) -> Json:
         """The chunk for one update of choice `c`, whose own text is `text`."""
@@ -140,7 +158,25 @@ class Shapes:
             choice = {"index": c.index, "text": text, "logprobs": lps}
         choice["finish_reason"] = c.finish_reason if c.finished else None
         choice["stop_reason"] = c.stop_reason if c.finished else None
+        extras = self._extras(c, first)
+        if self.token_ids:
+            choice["token_ids"] = c.token_ids[c.sent_ids:]
+            c.sent_ids = len(c.token_ids)
+        if self.kind == "chat":
+            return {**self._envelope("chunk", [choice]), **extras}
+        if self.token_ids and not first:
+            extras["prompt_token_ids"] = None  # vLLM's: only the first chunk carries them
+        choice.update(extras)
         return self._envelope("chunk", [choice])
+
+    def _extras(self, c: Choice, first: bool) -> Json:
+        """The prompt's logprobs and token ids, for a response or a first chunk."""
+        out: Json = {}
+        if first and self.prompt_logprobs:
+            out["prompt_logprobs"] = self._prompt_logprobs(c.prompt_logprobs)
+        if first and self.token_ids:
+            out["prompt_token_ids"] = list(c.prompt_ids)
+        return out
 
     def usage_chunk(self, usage: Json) -> Json:
         return {**self._envelope("chunk", []), "usage": usage}
@@ -154,9 +190,16 @@ class Shapes:
                 {"message": {"role": "assistant", "content": text}}
                 if self.kind == "chat" else {"text": text}
             )
-            out.append({"index": c.index, **body, "logprobs": lps,
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-        return {**self._envelope("response", out), "usage": usage}
+            choice = {"index": c.index, **body, "logprobs": lps,
+                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if self.token_ids:
+                choice["token_ids"] = list(c.token_ids)
+            if self.kind != "chat":
+                choice.update(self._extras(c, True))
+            out.append(choice)
+        # Chat has one prompt: its extras go on the response, as vLLM puts them.
+        extras = self._extras(choices[0], True) if self.kind == "chat" else {}
+        return {**self._envelope("response", out), **extras, "usage": usage}
 
     def _envelope(self, what: str, choices: list[Json]) -> Json:
         obj = {
@@ -188,11 +231,34 @@ class Shapes:
                 continue
             values.append(_finite(lp.logprob))
             # The OpenAI completions API: the top alternatives *and* the chosen token.
-            top = {self.tokens.text(t): _finite(v) for t, v in lp.top}
+            top = {self.tokens.text(t): _finite(v) for t, v in lp.top[:self.num_top]}
             top.setdefault(s, _finite(lp.logprob))
             tops.append(top)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
                 "text_offset": offsets}, offset
+
+    def _prompt_logprobs(self, lps: tuple[TokenLogprobs | None, ...] | None
+                         ) -> list[Json | None] | None:
+        """vLLM's prompt_logprobs list; None when there are none (the request ended before
+        its first token)."""
+        if lps is None:
+            return None
+        out: list[Json | None] = []
+        for lp in lps:
+            if lp is None:
+                out.append(None)
+                continue
+            entry = {str(lp.token_id): self._ranked(lp.token_id, lp.logprob, lp.rank)}
+            for rank, (t, v) in enumerate(lp.top, 1):
+                entry.setdefault(str(t), self._ranked(t, v, rank))
+            out.append(entry)
+        return out
+
+    def _ranked(self, token_id: int, logprob: float, rank: int) -> Json:
+        # decoded_token: the token's text, with `\xNN` for bytes of a split character
+        # where vLLM would show U+FFFD (see TokenText).
+        return {"logprob": _finite(logprob), "rank": rank,
+                "decoded_token": self.tokens.text(token_id)}
 
     def _chat_entry(self, lp: TokenLogprobs) -> Json:
         raw, s = self.tokens.get(lp.token_id)

@@ -68,7 +68,7 @@ async def respond(
     nursery: trio.Nursery,
     prepared: Sequence[Prepared],
     shapes: Shapes,
-    prefixes: Sequence[str],
+    prefixes: Sequence[str] | None,  # the echoed prompts, one per prompt; None: no echo
     *,
     stream: bool,
     usage: StreamUsage,
@@ -85,7 +85,8 @@ async def respond(
         job.close()
         raise
     choices = [
-        Choice(i, prefix=prefixes[i // job.n], prompt_ids=tuple(prepared[i // job.n].prompt_ids))
+        Choice(i, prefix=prefixes[i // job.n] if prefixes else "",
+               prompt_ids=tuple(prepared[i // job.n].prompt_ids), echo=prefixes is not None)
         for i in range(len(prepared) * job.n)
     ]
     if stream:

@@ -53,6 +53,7 @@ SAMPLING: dict[str, Any] = {
     "frequency_penalty": st.floats(-2, 2), "repetition_penalty": st.floats(0.1, 3),
     "logit_bias": st.dictionaries(token.map(str), st.floats(-100, 100), max_size=3),
     "model": st.just("stub"),
+    "prompt_logprobs": st.integers(0, 3), "return_token_ids": st.booleans(),  # vLLM extras
 }
 stop = st.one_of(st.text(st.characters(exclude_categories=["Cs"]), min_size=1, max_size=3),
                  st.lists(st.text(st.characters(exclude_categories=["Cs"]), min_size=1,
