@@ -1,4 +1,4 @@
-"""Two fixes to Hypercorn 0.18's connection layer, installed before nanoserve serves.
+"""Three fixes to Hypercorn 0.18's connection layer, installed before nanoserve serves.
 
 1. A fault on one connection ends that connection only. Hypercorn's `TCPServer._close`
    half-closes the socket (`send_eof`) without taking the connection's send lock, and Trio's
@@ -21,9 +21,13 @@
    write at the end of a content-length body, which raced a client's hang-up into a second,
    unanswered access-log line for the request (see the method).
 
-Hypercorn builds both classes by name from its own modules (`hypercorn.trio.run` makes a
-`TCPServer` per connection, `hypercorn.protocol.ProtocolWrapper` an `H11Protocol`), so
-`install()` rebinds those two names to the subclasses here; `serve()` installs them and runs
+3. One access-log line per request. The empty write was one way a hang-up beat the end of a
+   response; the last body write itself is the other (`_StreamLoggedOnce`).
+
+Hypercorn builds these classes by name from its own modules (`hypercorn.trio.run` makes a
+`TCPServer` per connection, `hypercorn.protocol.ProtocolWrapper` an `H11Protocol`, which
+with `H2Protocol` makes an `HTTPStream` per request), so `install()` rebinds those names to
+the subclasses here; `serve()` installs them and runs
 `hypercorn.trio.serve`, and every nanoserve path that opens a socket goes through it.
 `install()` is idempotent and checks the Hypercorn version it was written against: the
 subclasses override private methods.
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import http
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from importlib.metadata import version
 from typing import Any
@@ -40,11 +45,15 @@ from typing import Any
 import h11
 import hypercorn.config
 import hypercorn.protocol
+import hypercorn.protocol.h2
+import hypercorn.protocol.h11
 import hypercorn.trio
 import hypercorn.trio.run
 import trio
 from hypercorn.events import RawData
+from hypercorn.protocol.events import StreamClosed
 from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.utils import wrap_app
 
@@ -77,6 +86,34 @@ class _SafeTCPServer(TCPServer):
             await super()._close()  # send_eof, then aclose
         finally:
             self.send_lock.release()
+
+
+class _StreamLoggedOnce(HTTPStream):
+    """An HTTP stream access-logged once. Hypercorn logs a request as unanswered ("- -") the
+    moment its connection closes, unless the stream is already marked done, which happens
+    only after the app's last body message has been written. A client quick to hang up once
+    it had the whole answer (Quart sends the content, then an empty last message; httpx
+    closes as it leaves its `with` block) was then logged twice: "- -", then its status. Once
+    the response has begun, whether it ended is known only when the app does: so a hang-up
+    then is logged at the app's end, and only if the last message never went out."""
+
+    _hung_up = False  # the connection closed after the response had begun
+
+    async def handle(self, event: Any) -> None:
+        if isinstance(event, StreamClosed) and self.state == ASGIHTTPState.RESPONSE:
+            self.closed = True  # Hypercorn's own steps, less the log line
+            self._hung_up = True
+            if self.app_put is not None:
+                await self.app_put({"type": "http.disconnect"})
+            return
+        await super().handle(event)
+
+    async def app_send(self, message: Any) -> None:
+        await super().app_send(message)
+        if message is None and self._hung_up and self.state != ASGIHTTPState.CLOSED:
+            # None: no response, as Hypercorn itself passes (its annotation says otherwise).
+            await self.config.log.access(
+                self.scope, None, time.time() - self.start_time)  # type: ignore[arg-type]
 
 
 class _H11WithReasons(H11Protocol):
@@ -123,6 +160,8 @@ def install() -> None:
                            f"{HYPERCORN_VERSION}, but {found} is installed")
     hypercorn.trio.run.TCPServer = _SafeTCPServer  # type: ignore[misc]
     hypercorn.protocol.H11Protocol = _H11WithReasons  # type: ignore[misc]
+    hypercorn.protocol.h11.HTTPStream = _StreamLoggedOnce  # type: ignore[misc]
+    hypercorn.protocol.h2.HTTPStream = _StreamLoggedOnce  # type: ignore[misc]
 
 
 async def serve(
