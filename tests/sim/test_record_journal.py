@@ -239,3 +239,6 @@ async def test_200_requests_with_10_poisoned_stopped_halfway_replay_clean(
     result = await replay_in_thread(path)
     assert result.mismatches == ()
     assert result.expectations_checked
+    print(f"{stop.name}: {len(answered)} answered ({len(poisoned)} poisoned) before the stop; "
+          f"the file holds {len(trace.requests)} requests, {len(outcomes)} with an outcome; "
+          f"replay: {result.summary()}")
