@@ -8,6 +8,7 @@ import sys
 
 from nanoserve import bench, flags
 from nanoserve.config import ConfigError
+from nanoserve.model.base import ModelStartError
 
 
 def _generate(a: argparse.Namespace) -> int:
@@ -78,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         # A setting that can never work: one line naming the flags, as argparse's own errors.
         print(f"nanoserve {a.cmd}: error: {exc.cli_text()}", file=sys.stderr)
+        return 2
+    except ModelStartError as exc:  # a tensor-parallel rank that never came up: its message
+        print(f"nanoserve {a.cmd}: error: {exc}", file=sys.stderr)  # names it, and why
         return 2
 
 

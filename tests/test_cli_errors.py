@@ -296,3 +296,28 @@ def test_real_commands_print_the_same_one_line(argv: list[str], line: str, tmp: 
     got = run_cli(*[arg.replace("{tmp}", str(tmp)) for arg in argv])
     assert (got.returncode, got.stdout) == (2, "")
     assert got.stderr == line.replace("{tmp}", str(tmp)) + "\n"
+
+
+@pytest.mark.parametrize(("main", "argv", "where", "prefix"), [
+    (nanoserve_cli.main, ["bench", "--model", "stub"], "nanoserve.bench.run",
+     "nanoserve bench: error: "),
+    (sim_cli.main, ["replay", "traces/burst16.jsonl"], "sim.replay.cli.replay",
+     "sim replay: traces/burst16.jsonl: "),
+])
+def test_tensor_parallel_ranks_that_never_start_are_one_line_from_bench_and_replay(
+    main: Callable[[list[str]], int], argv: list[str], where: str, prefix: str,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """serve reports a ModelStartError in one line (tests/server/test_server_tp.py); bench
+    and replay load the model the same way, and printed the error's traceback."""
+    from nanoserve.model.base import ModelStartError
+
+    why = "rank 2 (pid 7) was starting when the distributed timeout of 600 s ran out"
+
+    def fail(*_: object, **__: object) -> None:
+        raise ModelStartError(why)
+
+    monkeypatch.setattr(where, fail)
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert (out, err) == ("", prefix + why + "\n")

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from nanoserve import flags
+from nanoserve.model.base import ModelStartError
 from sim.files import atomic_open
 from sim.replay.run import ReplayError, ReplayResult, replay
 from sim.trace.format import TraceError, load_trace
@@ -58,7 +59,7 @@ def _main(a: argparse.Namespace) -> int:
         prefix = f"{path}: " if len(a.traces) > 1 else ""
         try:
             worst = max(worst, _one(Path(path), a, prefix))
-        except (TraceError, ReplayError, OSError) as exc:
+        except (TraceError, ReplayError, OSError, ModelStartError) as exc:
             print(f"sim replay: {path}: {exc}", file=sys.stderr)
             worst = 2
     return worst
