@@ -8,21 +8,13 @@ contracts in pyproject.toml (import-linter: `just lint`, tests/test_layers.py) c
     serving/      AsyncEngine, the Trio bridge: inbox, loop task, per-request channels;
                   the step, live and virtual clocks that turn a step into time
     bench, llm    the offline benchmark; LLM, the offline API
-    engine        Engine.step(): schedule -> execute -> sample -> update (sync, no clock)
-    runner        ModelRunner.run: a schedule through the model and the sampler
-    batch         a schedule -> the step's ForwardBatch; prompt-logprob rows; work counts
-    scheduler     token-budget continuous batching, chunked prefill, preemption
-    kv            block pool, ref counts, prefix hashes, block tables (pure Python)
-    outputs       RequestOutput, what LLM.generate returns
-    stop          check_stop: the stop rules in one function
-    updates       the Update of a sampled token, and the final one
-    request       a request's state and its updates
-    detokenizer   incremental detokenizer with stop strings and hold-back
-    sampler       the batched sampler: stages in order, greedy rows, the seeded draw
-    logits        its logits stages as pure tensor functions (penalties ... min-p)
-    sampling      SamplingParams, validated
+    engine/       Engine.step(): schedule -> execute -> sample -> update (sync, no clock);
+                  the runner, n > 1, batch, scheduler, KV blocks, outputs, stop rules,
+                  admission, a request's state, the detokenizer (its own layers inside)
     model/        Llama forward over a paged KV cache; the stub; weight + tokenizer loading
-    tokenizer, seeds, config, progress
+    sampling/     SamplingParams, the batched sampler, its logits stages, structured
+                  outputs' grammars, the seeded hashes (its own layers inside)
+    tokenizer, config, progress, flags
 
 `sim/` imports nanoserve, never the reverse. Nothing at or below `engine` imports trio,
 HTTP, or reads the wall clock; no package has an import cycle.
@@ -36,7 +28,7 @@ __all__ = ["LLM", "SamplingParams"]
 
 if TYPE_CHECKING:
     from nanoserve.llm import LLM
-    from nanoserve.sampling import SamplingParams
+    from nanoserve.sampling.params import SamplingParams
 
 
 def __getattr__(name: str) -> Any:
@@ -46,7 +38,7 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name == "SamplingParams":
-        from nanoserve.sampling import SamplingParams
+        from nanoserve.sampling.params import SamplingParams
 
         return SamplingParams
     raise AttributeError(name)

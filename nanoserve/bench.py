@@ -33,12 +33,12 @@ import torch
 
 from nanoserve import flags
 from nanoserve.config import ConfigError, EngineConfig
-from nanoserve.engine import Engine
+from nanoserve.engine.engine import Engine
 from nanoserve.llm import LLM
 from nanoserve.model import Model, load
 from nanoserve.model.preflight import check_device, check_model
 from nanoserve.model.quant import CHOICES
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling.params import SamplingParams
 from nanoserve.tokenizer import Tokenizer
 
 

@@ -15,7 +15,7 @@ def _generate(a: argparse.Namespace) -> int:
     from nanoserve.config import EngineConfig
     from nanoserve.llm import LLM
     from nanoserve.model.preflight import check_device, check_model
-    from nanoserve.sampling import ParamError, SamplingParams
+    from nanoserve.sampling.params import ParamError, SamplingParams
 
     check_device(a.device)  # before the weights load, as serve and bench judge theirs
     context = check_model(a.model, "float32", 1, EngineConfig(), a.device).max_model_len

@@ -6,11 +6,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine import Engine
+from nanoserve.engine.engine import Engine
+from nanoserve.engine.outputs import OutputBuilder, RequestOutput
 from nanoserve.model import Model, load
-from nanoserve.outputs import OutputBuilder, RequestOutput
 from nanoserve.progress import bar
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling.params import SamplingParams
 from nanoserve.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]

@@ -16,10 +16,10 @@ import time
 import torch
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine import Engine
-from nanoserve.grammar import GuidedSpec, apply_bitmasks
+from nanoserve.engine.engine import Engine
 from nanoserve.model import load
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling.grammar import GuidedSpec, apply_bitmasks
+from nanoserve.sampling.params import SamplingParams
 
 SCHEMA = {"type": "object", "properties": {"words": {
     "type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 40}},

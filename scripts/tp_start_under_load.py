@@ -43,7 +43,7 @@ def main() -> int:
         t0 = time.monotonic()
         from nanoserve.llm import LLM
         from nanoserve.model.base import ModelStartError
-        from nanoserve.sampling import SamplingParams
+        from nanoserve.sampling.params import SamplingParams
 
         try:
             llm = LLM(a.model, tensor_parallel_size=a.tensor_parallel_size,

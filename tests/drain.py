@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from nanoserve.engine import Engine
-from nanoserve.outputs import StepResult
+from nanoserve.engine.engine import Engine
+from nanoserve.engine.outputs import StepResult
 
 
 def drain(engine: Engine) -> list[StepResult]:

@@ -13,7 +13,7 @@ import trio
 from http_harness import AsgiHarness, hypercorn_on_loopback, stub_parts
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine import Engine
+from nanoserve.engine.engine import Engine
 from nanoserve.server import ServerConfig, counter_ids, create_app
 from nanoserve.serving.clock import LiveClock, StepClock
 

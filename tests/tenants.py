@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling.params import SamplingParams
 from sim.load.workload import SimRequest, Workload
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from nanoserve.detokenizer import IncrementalDetokenizer
+from nanoserve.engine.detokenizer import IncrementalDetokenizer
 from nanoserve.tokenizer import Tokenizer
 
 FFFD = "\ufffd"

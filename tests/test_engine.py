@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 from drain import drain, tokens
 
-from nanoserve.admission import AdmissionError
 from nanoserve.config import ConfigError, EngineConfig
-from nanoserve.engine import Engine
+from nanoserve.engine.admission import AdmissionError
+from nanoserve.engine.engine import Engine
 from nanoserve.model.stub import StubModel
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling.params import SamplingParams
 from nanoserve.tokenizer import Tokenizer
 
 
@@ -231,7 +231,7 @@ def test_detokenize_false_keeps_the_tokens_and_drops_only_the_text(
 
 
 def test_detokenize_false_refuses_stop_strings() -> None:
-    from nanoserve.sampling import ParamError
+    from nanoserve.sampling.params import ParamError
 
     with pytest.raises(ParamError) as info:
         SamplingParams(stop=["\n"], detokenize=False)

@@ -16,10 +16,10 @@ from drain import drain, tokens
 from reference import MAX_NEW_TOKENS, compare_greedy, load_reference
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine import Engine
+from nanoserve.engine.engine import Engine
 from nanoserve.model.base import ForwardBatch
 from nanoserve.model.llama import LlamaModel
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling.params import SamplingParams
 from nanoserve.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.real

@@ -21,12 +21,12 @@ from native_check import ISA_PARAMS, kernels_for
 from reference import MAX_NEW_TOKENS, compare_greedy, load_reference
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine import Engine
+from nanoserve.engine.engine import Engine
 from nanoserve.model.base import ModelConfig
 from nanoserve.model.llama import LlamaModel, load_weights
 from nanoserve.model.loader import load_model_config, resolve_model
 from nanoserve.model.quant import QuantProj
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling.params import SamplingParams
 from nanoserve.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.real

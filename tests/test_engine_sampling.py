@@ -9,11 +9,11 @@ import pytest
 from drain import completion_tokens, drain
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine import Engine
+from nanoserve.engine.engine import Engine
 from nanoserve.llm import LLM
 from nanoserve.model.base import Model
 from nanoserve.model.stub import StubModel
-from nanoserve.sampling import ParamError, SamplingParams
+from nanoserve.sampling.params import ParamError, SamplingParams
 from nanoserve.tokenizer import Tokenizer
 
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=1234, max_tokens=16,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from nanoserve.kv import BlockPool, KVManager, chain_hash
-from nanoserve.request import Request
-from nanoserve.sampling import SamplingParams
+from nanoserve.engine.kv import BlockPool, KVManager, chain_hash
+from nanoserve.engine.request import Request
+from nanoserve.sampling.params import SamplingParams
 
 
 def _req(rid: str, tokens: list[int]) -> Request:

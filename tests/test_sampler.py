@@ -19,9 +19,9 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from nanoserve.logits import apply_penalties, apply_temperature, apply_top_p
-from nanoserve.sampler import SamplingRow, TokenLogprobs, draw, row_uniform, sample
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling.logits import apply_penalties, apply_temperature, apply_top_p
+from nanoserve.sampling.params import SamplingParams
+from nanoserve.sampling.sampler import SamplingRow, TokenLogprobs, draw, row_uniform, sample
 
 N = 20_000
 SEED = 20240607

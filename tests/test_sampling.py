@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from nanoserve.sampling import ParamError, SamplingParams
+from nanoserve.sampling.params import ParamError, SamplingParams
 
 NAN, INF = math.nan, math.inf
 

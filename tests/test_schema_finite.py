@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from nanoserve.schema_finite import has_finite_instance
+from nanoserve.sampling.schema_finite import has_finite_instance
 
 
 def chain(n: int, *, closed: bool) -> dict[str, Any]:

@@ -1,11 +1,11 @@
-"""nanoserve.seeds: the one 64-bit mix, and the copies that speed keeps inlined."""
+"""nanoserve.sampling.seeds: the one 64-bit mix, and the copies that speed keeps inlined."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from nanoserve.model.stub import StubModel
-from nanoserve.seeds import MASK64, mix64, mix64_array
+from nanoserve.sampling.seeds import MASK64, mix64, mix64_array
 
 # splitmix64 seeded with 0: its first outputs are mix64 of 1, 2, 3 times the golden gamma
 # (published values of the generator, so the constants cannot drift unnoticed).

@@ -1,4 +1,4 @@
-"""Structured outputs (nanoserve/grammar.py): constrained rows in the batched sampler.
+"""Structured outputs (nanoserve/sampling/grammar.py): constrained rows in the batched sampler.
 
 On the stub (whose logits are noise, the hardest case for a constraint): every completion
 that stops validates, free neighbours keep their tokens, n > 1 siblings and preempted
@@ -15,10 +15,10 @@ import jsonschema
 import pytest
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine import Engine
-from nanoserve.grammar import GuidedSpec
+from nanoserve.engine.engine import Engine
 from nanoserve.model.stub import StubModel
-from nanoserve.sampling import ParamError, SamplingParams
+from nanoserve.sampling.grammar import GuidedSpec
+from nanoserve.sampling.params import ParamError, SamplingParams
 from tests.drain import completion_tokens, drain, tokens
 
 SCHEMAS: list[dict[str, Any]] = [

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from nanoserve.model.base import ForwardBatch, ModelConfig
-from nanoserve.seeds import MASK64, mix64, mix64_array
+from nanoserve.sampling.seeds import MASK64, mix64, mix64_array
 from nanoserve.tokenizer import Tokenizer
 
 _CORPUS = (
@@ -101,7 +101,7 @@ class StubModel:
     @staticmethod
     def _hash(length: int, tail: Sequence[int], seed: int) -> int:
         # mix64(mix64(... mix64(seed) ^ length) ^ t ...) with mix64 inlined (a test holds
-        # it to nanoserve.seeds): this runs once per simulated token, millions of times in
+        # it to nanoserve.sampling.seeds): this runs once per simulated token, millions of times in
         # a capacity sweep.
         m = MASK64
         h = seed & m

@@ -20,7 +20,7 @@ from typing import Any
 
 from quart import Quart, Response, request
 
-from nanoserve.sampling import ParamError, check_vocab
+from nanoserve.sampling.params import ParamError, check_vocab
 from nanoserve.server import parse
 from nanoserve.server.errors import ApiError, bad_request, from_param_error
 from nanoserve.server.openai import read_json

@@ -27,9 +27,9 @@ from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
 
-from nanoserve.engine import Engine
+from nanoserve.engine.engine import Engine
+from nanoserve.engine.outputs import StepResult
 from nanoserve.model.base import ModelStartError
-from nanoserve.outputs import StepResult
 from nanoserve.server import admin, openai, openapi, recording
 from nanoserve.server.config import ServerConfig
 from nanoserve.server.cors import CorsMiddleware

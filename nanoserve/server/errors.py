@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from nanoserve.sampling import ParamError
+from nanoserve.sampling.params import ParamError
 
 # The OpenAI API's `type` for each status family we answer with.
 _TYPES = {

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Union, get_args, get_origin
 from pydantic import BaseModel
 from pydantic_core import ErrorDetails
 
-from nanoserve.sampling import NAMED
+from nanoserve.sampling.params import NAMED
 from nanoserve.server.errors import ApiError
 
 Path = tuple[str, ...]  # rendered segments: "messages", "[0]", ".content"

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import trio
 
-from nanoserve.admission import Prepared
-from nanoserve.request import Update
-from nanoserve.sampling import ParamError
+from nanoserve.engine.admission import Prepared
+from nanoserve.engine.request import Update
+from nanoserve.sampling.params import ParamError
 from nanoserve.server.errors import ApiError, from_param_error
 from nanoserve.server.metrics import Metrics
 from nanoserve.serving import AsyncEngine, EngineDeadError, RequestStream

@@ -34,7 +34,7 @@ import trio
 
 from nanoserve import flags
 from nanoserve.config import ConfigError, EngineConfig
-from nanoserve.engine import Engine
+from nanoserve.engine.engine import Engine
 from nanoserve.model.base import ModelStartError
 from nanoserve.model.parallel import BACKENDS, DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_TIMEOUT_S
 from nanoserve.model.preflight import check_device, check_model

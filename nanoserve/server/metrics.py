@@ -37,7 +37,7 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.openmetrics import exposition as openmetrics
 
-from nanoserve.outputs import EngineStats, StepResult
+from nanoserve.engine.outputs import EngineStats, StepResult
 from nanoserve.serving import BridgeStats
 
 PREFIX = "nanoserve:"

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 from quart import Quart, Response, current_app, request
 
-from nanoserve.admission import Prepared
-from nanoserve.sampling import ParamError
+from nanoserve.engine.admission import Prepared
+from nanoserve.sampling.params import ParamError
 from nanoserve.server import parse
 from nanoserve.server.errors import ApiError, from_param_error
 from nanoserve.server.render import Shapes

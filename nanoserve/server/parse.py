@@ -20,8 +20,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from nanoserve.grammar import GuidedSpec
-from nanoserve.sampling import ParamError, SamplingParams
+from nanoserve.sampling.grammar import GuidedSpec
+from nanoserve.sampling.params import ParamError, SamplingParams
 from nanoserve.server.errors import ApiError, bad_request, from_param_error
 from nanoserve.server.nesting import MAX_DEPTH, deep_field, too_deep
 from nanoserve.server.protocol import Message, Protocol, validate

@@ -41,7 +41,7 @@ from pydantic import (
 from pydantic.json_schema import GenerateJsonSchema
 from pydantic_core import PydanticCustomError
 
-from nanoserve.sampling import (
+from nanoserve.sampling.params import (
     MAX_ABS_LOGIT_BIAS,
     MAX_ABS_PENALTY,
     MAX_LOGPROBS,
@@ -49,7 +49,7 @@ from nanoserve.sampling import (
     MAX_SEED,
     MIN_SEED,
 )
-from nanoserve.sampling import MAX_STOP_STRINGS as MAX_STOP
+from nanoserve.sampling.params import MAX_STOP_STRINGS as MAX_STOP
 from nanoserve.server.invalid import api_error
 
 Schema = dict[str, Any]
@@ -184,7 +184,7 @@ def protocol(served: str, vocab: int | None = None, max_len: int | None = None) 
     Refused = Annotated[None, schema(description="not supported: any value is a 400")]
 
     class Sampling(_Body):
-        """The fields copied into SamplingParams, with its ranges (nanoserve/sampling.py)."""
+        """The fields copied into SamplingParams, with its ranges (nanoserve/sampling/params.py)."""
 
         model: Annotated[StrictStr | None, schema(enum=[served])] = None
         n: Annotated[Int | None, schema(minimum=1, maximum=MAX_N)] = None
@@ -221,7 +221,7 @@ def protocol(served: str, vocab: int | None = None, max_len: int | None = None) 
             "logprob and this many alternatives (the first token's entry is null)")] = None
         return_token_ids: Annotated[Bool | None, schema(
             description="vLLM's: prompt_token_ids and token_ids in the answer")] = None
-        # Structured outputs (nanoserve/grammar.py): at most one of these per request.
+        # Structured outputs (nanoserve/sampling/grammar.py): at most one of these per request.
         response_format: ResponseFormat | None = None
         guided_json: dict[str, Any] | StrictStr | None = None
         guided_regex: Annotated[StrictStr | None, Field(min_length=1)] = None

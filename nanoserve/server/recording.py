@@ -27,7 +27,7 @@ from quart import request
 from nanoserve.serving import BridgeRecorder
 
 if TYPE_CHECKING:
-    from nanoserve.engine import Engine
+    from nanoserve.engine.engine import Engine
     from nanoserve.server.config import ServerConfig
     from nanoserve.server.jobs import Job
     from nanoserve.serving import AsyncEngine

@@ -26,9 +26,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from nanoserve.request import Update
-from nanoserve.sampler import TokenLogprobs
-from nanoserve.sampling import MAX_LOGPROBS
+from nanoserve.engine.request import Update
+from nanoserve.sampling.params import MAX_LOGPROBS
+from nanoserve.sampling.sampler import TokenLogprobs
 from nanoserve.tokenizer import Tokenizer
 
 Json = dict[str, Any]

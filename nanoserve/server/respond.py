@@ -22,7 +22,7 @@ import trio
 from quart import Response, current_app
 from quart.wrappers.response import ResponseBody
 
-from nanoserve.admission import Prepared
+from nanoserve.engine.admission import Prepared
 from nanoserve.server import recording
 from nanoserve.server.errors import ApiError
 from nanoserve.server.jobs import Ended, Item, Job, Registry

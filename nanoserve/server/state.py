@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import trio
 from quart import current_app
 
-from nanoserve.engine import Engine
+from nanoserve.engine.engine import Engine
 from nanoserve.server.config import ServerConfig
 from nanoserve.server.errors import ApiError
 from nanoserve.server.jobs import Registry

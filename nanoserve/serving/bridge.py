@@ -38,11 +38,11 @@ from contextlib import asynccontextmanager
 
 import trio
 
-from nanoserve.admission import Prepared
-from nanoserve.engine import Engine
-from nanoserve.outputs import OutputBuilder, RequestOutput, StepResult
-from nanoserve.request import FinishReason, Update
-from nanoserve.sampling import SamplingParams
+from nanoserve.engine.admission import Prepared
+from nanoserve.engine.engine import Engine
+from nanoserve.engine.outputs import OutputBuilder, RequestOutput, StepResult
+from nanoserve.engine.request import FinishReason, Update
+from nanoserve.sampling.params import SamplingParams
 from nanoserve.serving.clock import Clock
 from nanoserve.serving.ledger import Entry, Ledger
 from nanoserve.serving.stream import RequestStream

@@ -35,7 +35,7 @@ import trio.testing
 
 if TYPE_CHECKING:
     # Types only: the clocks sit with the bridge, above the engine, and never call into it.
-    from nanoserve.outputs import StepResult
+    from nanoserve.engine.outputs import StepResult
 
 Step = Callable[[], "StepResult"]
 

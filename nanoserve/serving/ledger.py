@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import trio
 
-from nanoserve.admission import Prepared
-from nanoserve.request import FinishReason, Update
-from nanoserve.sampling import ParamError
+from nanoserve.engine.admission import Prepared
+from nanoserve.engine.request import FinishReason, Update
+from nanoserve.sampling.params import ParamError
 
 log = logging.getLogger("nanoserve.serving")
 

@@ -14,7 +14,7 @@ from types import TracebackType
 
 import trio
 
-from nanoserve.request import Update
+from nanoserve.engine.request import Update
 
 
 class RequestStream:

@@ -6,8 +6,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from nanoserve.outputs import StepResult
-from nanoserve.request import Update
+from nanoserve.engine.outputs import StepResult
+from nanoserve.engine.request import Update
 
 Prompt = str | Sequence[int]
 StepListener = Callable[[StepResult], None]

@@ -15,7 +15,7 @@ import argparse
 import time
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine import Engine
+from nanoserve.engine.engine import Engine
 from nanoserve.model.stub import StubModel
 from sim.capacity.cost import CostModel, load_cost_model
 from sim.capacity.fleet import simulate

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nanoserve.engine.outputs import StepResult
 from nanoserve.model.quant import DENSE_FROM_ROWS, REGISTER_ROWS
-from nanoserve.outputs import StepResult
 from sim.files import atomic_write_text
 
 FEATURES = ("const", "prefill_tokens", "prefill_seqs", "decode_seqs", "decode_context",

@@ -31,11 +31,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from nanoserve.admission import Prepared
-from nanoserve.engine import Engine
-from nanoserve.outputs import EngineStats, StepResult
-from nanoserve.request import Update
-from nanoserve.sampling import ParamError
+from nanoserve.engine.admission import Prepared
+from nanoserve.engine.engine import Engine
+from nanoserve.engine.outputs import EngineStats, StepResult
+from nanoserve.engine.request import Update
+from nanoserve.sampling.params import ParamError
 from sim.capacity.routers import ROUTERS as ROUTERS
 from sim.capacity.routers import CacheAwareConfig, Router
 from sim.load.workload import SimRequest

@@ -22,10 +22,10 @@ from contextlib import AsyncExitStack
 
 import trio
 
-from nanoserve.engine import Engine
-from nanoserve.outputs import StepResult
+from nanoserve.engine.engine import Engine
+from nanoserve.engine.outputs import StepResult
 from nanoserve.progress import bar
-from nanoserve.sampling import ParamError, SamplingParams
+from nanoserve.sampling.params import ParamError, SamplingParams
 from nanoserve.serving import AsyncEngine, RequestStream
 from nanoserve.serving.clock import LiveClock, Step
 from sim.capacity.fleet import Record, SimResult

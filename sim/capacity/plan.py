@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine import Engine
+from nanoserve.engine.engine import Engine
 from nanoserve.model.stub import StubModel
 from nanoserve.tokenizer import Tokenizer
 from sim.capacity.cost import CostModel

@@ -31,12 +31,12 @@ from tqdm import tqdm
 
 from nanoserve import flags
 from nanoserve.config import EngineConfig
-from nanoserve.engine import Engine
+from nanoserve.engine.engine import Engine
+from nanoserve.engine.outputs import StepResult
 from nanoserve.model.base import Model
 from nanoserve.model.quant import CHOICES
-from nanoserve.outputs import StepResult
 from nanoserve.progress import bar
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling.params import SamplingParams
 from nanoserve.tokenizer import Tokenizer
 from sim.capacity.cost import FEATURES, CostModel, fit_coefficients, relative_errors, step_features
 from sim.cli_util import guarded

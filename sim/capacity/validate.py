@@ -34,7 +34,7 @@ from typing import Any
 
 from nanoserve import flags
 from nanoserve.config import EngineConfig
-from nanoserve.engine import Engine
+from nanoserve.engine.engine import Engine
 from nanoserve.model.quant import CHOICES
 from nanoserve.model.stub import StubModel
 from sim.capacity.calibrate import geometric_mean, machine_speed, scaled, steal_seconds

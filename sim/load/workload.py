@@ -25,7 +25,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from nanoserve.sampling import ParamError, SamplingParams
+from nanoserve.sampling.params import ParamError, SamplingParams
 from nanoserve.server import parse
 from nanoserve.server.errors import ApiError
 from nanoserve.server.protocol import protocol

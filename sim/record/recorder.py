@@ -51,8 +51,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nanoserve.engine.request import Update
 from nanoserve.model.loader import resolve_model
-from nanoserve.request import Update
 from sim.record.trace import (
     Completion,
     EngineRequest,
@@ -75,7 +75,7 @@ from sim.trace.write import (
 )
 
 if TYPE_CHECKING:
-    from nanoserve.engine import Engine
+    from nanoserve.engine.engine import Engine
     from nanoserve.server.config import ServerConfig
     from nanoserve.serving import AsyncEngine
     from sim.record.redact import Redactor

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import trio
 import trio.testing
 
-from nanoserve.outputs import StepResult
+from nanoserve.engine.outputs import StepResult
 from nanoserve.server import ServerConfig, create_app, server_state
 from nanoserve.serving import AsyncEngine
 from nanoserve.serving.clock import Step

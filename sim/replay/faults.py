@@ -37,10 +37,10 @@ from typing import Any
 import torch
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine import Engine
-from nanoserve.kv import KVManager
+from nanoserve.engine.engine import Engine
+from nanoserve.engine.kv import KVManager
+from nanoserve.engine.scheduler import Schedule, Scheduler, SchedulerFactory
 from nanoserve.model.base import ForwardBatch, Model, ModelConfig
-from nanoserve.scheduler import Schedule, Scheduler, SchedulerFactory
 from nanoserve.tokenizer import Tokenizer
 from sim.trace.check import FAULT_PARAMS
 

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from nanoserve.config import EngineConfig
+from nanoserve.engine.outputs import StepResult
 from nanoserve.model.base import Model
-from nanoserve.outputs import StepResult
 from nanoserve.tokenizer import Tokenizer
 from sim.trace.format import TraceHeader
 

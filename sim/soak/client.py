@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 import h11
 import trio
 
-from nanoserve.outputs import StepResult
+from nanoserve.engine.outputs import StepResult
 from sim.http.sse import DONE, SseParser
 from sim.soak.plan import ClientPlan
 

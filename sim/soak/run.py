@@ -33,7 +33,7 @@ import trio
 
 from nanoserve import flags
 from nanoserve.config import EngineConfig
-from nanoserve.engine import Engine
+from nanoserve.engine.engine import Engine
 from nanoserve.server import ServerConfig, counter_ids, create_app, server_state
 from nanoserve.serving.clock import LiveClock
 from sim.http.loopback import hypercorn_on_loopback

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine import Engine
+from nanoserve.engine.engine import Engine
 from nanoserve.model.base import ForwardBatch, ModelConfig
 from nanoserve.model.llama import LlamaModel
 from nanoserve.model.parallel import TensorParallelModel, check_tp_size, valid_tp_sizes
@@ -23,7 +23,7 @@ from nanoserve.model.parallel.emulate import emulate
 from nanoserve.model.parallel.shard import cols, kv_heads_of, shard_weights
 from nanoserve.model.parallel.worker import LoadSpec, decode_batch, encode_batch
 from nanoserve.model.quant import quantize
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling.params import SamplingParams
 from tests.drain import drain, tokens
 from tests.native_check import require_native
 from tests.reference import compare_greedy, load_reference

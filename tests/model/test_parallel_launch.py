@@ -27,7 +27,7 @@ from nanoserve.model.parallel.channel import (
     WorkerChannel,
 )
 from nanoserve.model.parallel.watch import Watch
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 PROMPT = "The capital of France is"
@@ -44,7 +44,7 @@ def test_a_script_without_a_main_guard_starts_its_ranks_and_runs_once(
     script.write_text(
         'print("SCRIPT RAN", flush=True)\n'
         "from nanoserve.llm import LLM\n"
-        "from nanoserve.sampling import SamplingParams\n"
+        "from nanoserve.sampling.params import SamplingParams\n"
         f"llm = LLM(model={str(tiny)!r}, tensor_parallel_size=3, num_blocks=64)\n"
         f"out = llm.generate([{PROMPT!r}], SamplingParams(max_tokens=8, temperature=0.0),\n"
         "                   use_tqdm=False)\n"

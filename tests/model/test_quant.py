@@ -85,8 +85,8 @@ def test_the_decode_stack_is_the_layer_loop_bit_for_bit(smollm2_quantized: Any) 
     """Decode-only steps run every layer in one native call (csrc/stack.cpp); mixed steps
     run the Python layer loop. Five sequences decoded both ways: the same logprobs, bits."""
     from nanoserve.config import EngineConfig
-    from nanoserve.engine import Engine
-    from nanoserve.sampling import SamplingParams
+    from nanoserve.engine.engine import Engine
+    from nanoserve.sampling.params import SamplingParams
     from nanoserve.tokenizer import Tokenizer
 
     model = smollm2_quantized

@@ -37,7 +37,7 @@ from fault_harness import (
 from http_harness import serving, stub_parts
 from server_harness import assert_error, make_app
 
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling.params import SamplingParams
 from nanoserve.server import server_state
 from nanoserve.serving import AsyncEngine
 from nanoserve.serving.clock import GateClock, StepClock

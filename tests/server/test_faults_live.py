@@ -23,7 +23,7 @@ from http_harness import hypercorn_on_loopback, serving, stub_parts
 from server_harness import make_app, make_engine
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine import Engine
+from nanoserve.engine.engine import Engine
 from nanoserve.model.base import Model
 from nanoserve.server import server_state
 from nanoserve.serving.clock import GateClock, LiveClock

@@ -31,7 +31,7 @@ from http_harness import hypercorn_on_loopback
 from hypercorn.events import Closed, RawData
 from server_harness import make_engine
 
-from nanoserve.engine import Engine
+from nanoserve.engine.engine import Engine
 from nanoserve.server import ServerConfig, counter_ids, create_app, server_state
 from nanoserve.server.hypercorn_fixes import _SafeTCPServer
 from nanoserve.serving.clock import LiveClock

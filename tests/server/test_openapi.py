@@ -14,7 +14,7 @@ import jsonschema_rs
 from http_harness import serving, stub_parts
 from server_harness import make_app
 
-from nanoserve.sampling import MAX_LOGPROBS, MAX_N, MAX_SEED, MAX_STOP_STRINGS, MIN_SEED
+from nanoserve.sampling.params import MAX_LOGPROBS, MAX_N, MAX_SEED, MAX_STOP_STRINGS, MIN_SEED
 from nanoserve.server.openapi import document
 
 AUTOMATIC = {"HEAD", "OPTIONS"}  # Quart adds these to every route; not documented

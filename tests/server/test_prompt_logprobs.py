@@ -19,13 +19,13 @@ from http_harness import serving, stub_parts
 from reference import NEAR_TIE, load_reference
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine import Engine
+from nanoserve.engine.engine import Engine
+from nanoserve.engine.outputs import RequestOutput
 from nanoserve.llm import LLM
 from nanoserve.model.base import ForwardBatch
 from nanoserve.model.llama import LlamaModel
-from nanoserve.outputs import RequestOutput
-from nanoserve.sampler import TokenLogprobs
-from nanoserve.sampling import MAX_LOGPROBS, SamplingParams
+from nanoserve.sampling.params import MAX_LOGPROBS, SamplingParams
+from nanoserve.sampling.sampler import TokenLogprobs
 from nanoserve.server import ServerConfig, counter_ids, create_app
 from nanoserve.server.render import TokenText
 from nanoserve.serving.clock import StepClock

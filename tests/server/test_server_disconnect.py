@@ -18,7 +18,7 @@ import trio.testing
 from http_harness import serving
 from server_harness import GOOD, assert_error, make_app, make_engine
 
-from nanoserve.engine import Engine
+from nanoserve.engine.engine import Engine
 from nanoserve.server import drain, server_state
 from nanoserve.serving.clock import GateClock
 

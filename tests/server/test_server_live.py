@@ -21,7 +21,7 @@ from http_harness import stub_parts
 from server_harness import live, make_engine
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine import Engine
+from nanoserve.engine.engine import Engine
 from nanoserve.server import server_state
 from nanoserve.serving.clock import GateClock
 from nanoserve.tokenizer import Tokenizer

@@ -11,7 +11,7 @@ from server_harness import make_app
 
 from nanoserve.config import EngineConfig
 from nanoserve.llm import LLM
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling.params import SamplingParams
 
 EOT = "<|endoftext|>"  # token 0, a special token of SmolLM2's vocabulary
 

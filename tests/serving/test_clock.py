@@ -8,7 +8,7 @@ import pytest
 import trio
 import trio.testing
 
-from nanoserve.outputs import StepResult
+from nanoserve.engine.outputs import StepResult
 from nanoserve.serving.clock import GateClock, LiveClock, StepClock, VirtualClock
 
 

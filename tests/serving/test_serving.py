@@ -13,13 +13,13 @@ import trio
 import trio.testing
 from drain import drain, tokens
 
-from nanoserve.admission import AdmissionError, Prepared
 from nanoserve.config import EngineConfig
-from nanoserve.engine import Engine
+from nanoserve.engine.admission import AdmissionError, Prepared
+from nanoserve.engine.engine import Engine
+from nanoserve.engine.outputs import StepResult
+from nanoserve.engine.request import Update
 from nanoserve.model.stub import StubModel
-from nanoserve.outputs import StepResult
-from nanoserve.request import Update
-from nanoserve.sampling import ParamError, SamplingParams
+from nanoserve.sampling.params import ParamError, SamplingParams
 from nanoserve.serving import AsyncEngine, BridgeStats, EngineDeadError
 from nanoserve.serving.clock import Clock, GateClock, LiveClock, StepClock, VirtualClock
 from nanoserve.tokenizer import Tokenizer

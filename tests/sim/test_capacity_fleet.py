@@ -15,10 +15,10 @@ import trio.testing
 from drain import drain, tokens
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine import Engine
+from nanoserve.engine.engine import Engine
 from nanoserve.model.base import ForwardBatch
 from nanoserve.model.stub import StubModel
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling.params import SamplingParams
 from nanoserve.serving import AsyncEngine
 from nanoserve.serving.clock import VirtualClock
 from nanoserve.tokenizer import Tokenizer

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine import Engine
+from nanoserve.engine.engine import Engine
 from nanoserve.model.stub import StubModel
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling.params import SamplingParams
 from nanoserve.tokenizer import Tokenizer
 from sim.capacity.cost import CostModel
 from sim.capacity.fleet import simulate

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from nanoserve.engine.outputs import StepResult
 from nanoserve.model.stub import StubModel
-from nanoserve.outputs import StepResult
 from nanoserve.tokenizer import Tokenizer
 from sim.capacity.cost import FEATURES, CostModel, fit_coefficients, load_cost_model, step_features
 from sim.capacity.profile import QUICK_GRID, fit_profile, measure_grid

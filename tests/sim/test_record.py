@@ -24,7 +24,7 @@ import trio.testing
 from http_harness import hypercorn_on_loopback, serving, sse_events
 from server_harness import make_engine
 
-from nanoserve.engine import Engine
+from nanoserve.engine.engine import Engine
 from nanoserve.server import ServerConfig, counter_ids, create_app, server_state
 from nanoserve.serving import AsyncEngine
 from nanoserve.serving.clock import Clock, GateClock, LiveClock
@@ -227,7 +227,7 @@ class Events:
 @pytest.mark.parametrize("fail", [False, True], ids=["events", "a-failing-recorder"])
 async def test_the_bridge_tells_the_recorder_each_boundary_and_update(fail: bool) -> None:
     """The hook's contract, exactly; and a recorder that raises changes nothing served."""
-    from nanoserve.sampling import SamplingParams
+    from nanoserve.sampling.params import SamplingParams
 
     gate, events = GateClock(), Events(fail)
     async with AsyncEngine.open(make_engine(), gate, events) as bridge:
@@ -428,7 +428,7 @@ async def test_live_smollm2_traffic_replays_with_the_same_tokens(
     import openai
 
     from nanoserve.config import EngineConfig
-    from nanoserve.outputs import StepResult
+    from nanoserve.engine.outputs import StepResult
 
     engine = Engine(smollm2_model, smollm2_tokenizer,
                     EngineConfig(block_size=16, num_blocks=256, max_model_len=2048))

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from nanoserve.detokenizer import IncrementalDetokenizer
-from nanoserve.request import Request, Update
-from nanoserve.scheduler import Scheduler
+from nanoserve.engine.detokenizer import IncrementalDetokenizer
+from nanoserve.engine.request import Request, Update
+from nanoserve.engine.scheduler import Scheduler
 from nanoserve.server.render import Choice, Json, Shapes
 from nanoserve.serving import AsyncEngine
 from nanoserve.serving.ledger import Ledger

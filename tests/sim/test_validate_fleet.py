@@ -11,7 +11,7 @@ import trio
 import trio.testing
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine import Engine
+from nanoserve.engine.engine import Engine
 from nanoserve.model.stub import StubModel
 from nanoserve.serving import AsyncEngine
 from nanoserve.serving.clock import VirtualClock

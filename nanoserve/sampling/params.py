@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from nanoserve.grammar import GuidedSpec
+from nanoserve.sampling.grammar import GuidedSpec
 
 MAX_N = 128
 MAX_LOGPROBS = 20  # the OpenAI API's cap on top alternatives per token
@@ -118,7 +118,7 @@ class SamplingParams:
     # vLLM's detokenize: False leaves the text empty and skips the incremental detokenizer,
     # which is a fifth of a simulated token's cost in a capacity sweep that never reads text.
     detokenize: bool = True
-    # Structured outputs (nanoserve/grammar.py): the constraint every token must keep to.
+    # Structured outputs (nanoserve/sampling/grammar.py): the constraint every token must keep to.
     guided: GuidedSpec | None = None
 
     def __post_init__(self) -> None:
@@ -165,8 +165,8 @@ class SamplingParams:
                 "logprobs", self.logprobs, 0, MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}] (or null)"
             )
         if self.guided is not None and not isinstance(self.guided, GuidedSpec):
-            raise ParamError("guided", f"guided must be a GuidedSpec (nanoserve.grammar), got "
-                             f"{self.guided!r:.80}")
+            raise ParamError("guided", "guided must be a GuidedSpec "
+                             f"(nanoserve.sampling.grammar), got {self.guided!r:.80}")
         if self.prompt_logprobs is not None:
             self.prompt_logprobs = _int(
                 "prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS,

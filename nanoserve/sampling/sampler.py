@@ -2,7 +2,7 @@
 
 The stages run in a fixed order, each vectorised over rows whose parameters differ (every
 parameter becomes a per-row tensor [R]): penalties, logit bias, min_tokens suppression, a
-constrained row's grammar mask (nanoserve/grammar.py: the tokens it does not allow go to
+constrained row's grammar mask (nanoserve/sampling/grammar.py: the tokens it does not allow go to
 -inf), then greedy rows take their argmax here, and the rest go through temperature, top-k, top-p,
 min-p and the draw. A stage no row uses is skipped, so an all-greedy batch with no penalties
 is one argmax. A row with the neutral value of a stage (repetition 1, top_p 1, min_p 0, ...)
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoserve.grammar import apply_bitmasks
-from nanoserve.logits import (
+from nanoserve.sampling.grammar import apply_bitmasks
+from nanoserve.sampling.logits import (
     apply_logit_bias,
     apply_min_p,
     apply_penalties,
@@ -38,8 +38,8 @@ from nanoserve.logits import (
     apply_top_p,
     suppress_tokens,
 )
-from nanoserve.sampling import SamplingParams
-from nanoserve.seeds import MASK64, mix64
+from nanoserve.sampling.params import SamplingParams
+from nanoserve.sampling.seeds import MASK64, mix64
 
 
 @dataclass(slots=True)
@@ -49,7 +49,7 @@ class SamplingRow:
     token_index: int  # index in this request's output of the token being drawn (0 = first)
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
-    # A constrained row's allowed tokens (nanoserve/grammar.py's bitmask); None: free.
+    # A constrained row's allowed tokens (nanoserve/sampling/grammar.py's bitmask); None: free.
     mask: bytes | None = None
 
 

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoserve.kv import KVManager
+from nanoserve.engine.kv import KVManager
+from nanoserve.engine.request import Request
+from nanoserve.engine.scheduler import Schedule
 from nanoserve.model.base import ForwardBatch
-from nanoserve.request import Request
-from nanoserve.sampler import token_logprobs
-from nanoserve.sampling import SamplingParams
-from nanoserve.scheduler import Schedule
+from nanoserve.sampling.params import SamplingParams
+from nanoserve.sampling.sampler import token_logprobs
 
 
 @dataclass(slots=True)

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from nanoserve.request import Update
-from nanoserve.sampler import TokenLogprobs
+from nanoserve.engine.request import Update
+from nanoserve.sampling.sampler import TokenLogprobs
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,21 +9,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from nanoserve.admission import Prepared, check_request, detokenizer_for
-from nanoserve.completions import share_prompt, siblings
 from nanoserve.config import EngineConfig
-from nanoserve.grammar import GrammarError, Grammars
-from nanoserve.kv import BlockPool, KVManager
+from nanoserve.engine.admission import Prepared, check_request, detokenizer_for
+from nanoserve.engine.kv import BlockPool, KVManager
+from nanoserve.engine.outputs import EngineStats, StepResult
+from nanoserve.engine.parallel_sampling import share_prompt, siblings
+from nanoserve.engine.request import FinishReason, Request, Status, Update
+from nanoserve.engine.runner import ModelRunner
+from nanoserve.engine.scheduler import Schedule, Scheduler, SchedulerFactory
+from nanoserve.engine.stop import check_stop
+from nanoserve.engine.updates import final_update, token_update
 from nanoserve.model.base import Model, ModelLost
-from nanoserve.outputs import EngineStats, StepResult
-from nanoserve.request import FinishReason, Request, Status, Update
-from nanoserve.runner import ModelRunner
-from nanoserve.sampling import ParamError, SamplingParams
-from nanoserve.scheduler import Schedule, Scheduler, SchedulerFactory
-from nanoserve.seeds import mix64
-from nanoserve.stop import check_stop
+from nanoserve.sampling.grammar import GrammarError, Grammars
+from nanoserve.sampling.params import ParamError, SamplingParams
+from nanoserve.sampling.seeds import mix64
 from nanoserve.tokenizer import Tokenizer
-from nanoserve.updates import final_update, token_update
 
 
 class Engine:

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from nanoserve.detokenizer import IncrementalDetokenizer
-from nanoserve.sampling import ParamError, SamplingParams, check_vocab
+from nanoserve.engine.detokenizer import IncrementalDetokenizer
+from nanoserve.sampling.params import ParamError, SamplingParams, check_vocab
 from nanoserve.tokenizer import Tokenizer
 
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from nanoserve.admission import detokenizer_for
-from nanoserve.kv import BlockPool
+from nanoserve.engine.admission import detokenizer_for
+from nanoserve.engine.kv import BlockPool
+from nanoserve.engine.request import Request
 from nanoserve.model.base import Model
-from nanoserve.request import Request
-from nanoserve.sampling import SamplingParams
-from nanoserve.seeds import mix64
+from nanoserve.sampling.params import SamplingParams
+from nanoserve.sampling.seeds import mix64
 from nanoserve.tokenizer import Tokenizer
 
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from nanoserve.schema_finite import has_finite_instance
+from nanoserve.sampling.schema_finite import has_finite_instance
 from nanoserve.tokenizer import Tokenizer
 
 KINDS = ("json", "regex", "choice", "grammar")

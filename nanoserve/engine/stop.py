@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from nanoserve.request import FinishReason, Request
+from nanoserve.engine.request import FinishReason, Request
 
 
 def check_stop(req: Request, token: int, matched: str | None,

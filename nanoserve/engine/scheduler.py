@@ -17,8 +17,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
-from nanoserve.kv import KVManager
-from nanoserve.request import Request, Status
+from nanoserve.engine.kv import KVManager
+from nanoserve.engine.request import Request, Status
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,14 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoserve.batch import StepBatch, Work, advance, build_batch, plain_greedy, score_prompt
-from nanoserve.grammar import Grammars
-from nanoserve.kv import KVManager
+from nanoserve.engine.batch import StepBatch, Work, advance, build_batch, plain_greedy, score_prompt
+from nanoserve.engine.kv import KVManager
+from nanoserve.engine.request import Request
+from nanoserve.engine.scheduler import Schedule
 from nanoserve.model.base import Model
-from nanoserve.request import Request
-from nanoserve.sampler import SampleOutput, SamplingRow, TokenLogprobs, sample
-from nanoserve.sampling import SamplingParams
-from nanoserve.scheduler import Schedule
+from nanoserve.sampling.grammar import Grammars
+from nanoserve.sampling.params import SamplingParams
+from nanoserve.sampling.sampler import SampleOutput, SamplingRow, TokenLogprobs, sample
 
 # (logits row, request) for every draw of the step, given the requests that sample: the
 # engine's hook that adds the forked siblings of an n > 1 request (engine.py).

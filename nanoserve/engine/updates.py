@@ -5,8 +5,8 @@ only, so an Update never aliases the live request.
 
 from __future__ import annotations
 
-from nanoserve.request import FinishReason, Request, Update
-from nanoserve.sampler import TokenLogprobs
+from nanoserve.engine.request import FinishReason, Request, Update
+from nanoserve.sampling.sampler import TokenLogprobs
 
 
 def prompt_logprobs_update(req: Request) -> tuple[TokenLogprobs | None, ...] | None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from nanoserve.request import Request
+    from nanoserve.engine.request import Request
 
 
 @dataclass(frozen=True, slots=True)

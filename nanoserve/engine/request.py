@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from nanoserve.detokenizer import IncrementalDetokenizer
-    from nanoserve.sampler import TokenLogprobs
-    from nanoserve.sampling import SamplingParams
+    from nanoserve.engine.detokenizer import IncrementalDetokenizer
+    from nanoserve.sampling.params import SamplingParams
+    from nanoserve.sampling.sampler import TokenLogprobs
 
 
 class Status(enum.Enum):
@@ -59,7 +59,7 @@ class Request:
     # With params.prompt_logprobs: one entry per prompt token computed so far, None for the
     # first (nothing precedes it). Kept across preemption, so a recompute adds none twice.
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
-    # params.guided's matcher (nanoserve/grammar.py), made when the request first samples
+    # params.guided's matcher (nanoserve/sampling/grammar.py), made when the request first samples
     grammar: Any = None
 
     def __post_init__(self) -> None:

@@ -1,0 +1,13 @@
+"""The synchronous engine: one step at a time, no threads, no clock (README: "Layout").
+
+    engine.py             Engine: admit, step (schedule, forward, sample, update), abort
+    runner.py             the forward pass and the sampler over one scheduled batch
+    parallel_sampling.py  n > 1: the groups of completions one request forks into
+    batch.py              the model's input for one step, from the scheduled requests
+    scheduler.py          who runs this step: budgets, chunked prefill, preemption
+    kv.py                 the paged KV cache's blocks, prefix caching
+    outputs.py, updates.py  what a step hands each request's reader
+    stop.py, admission.py   stop conditions; checks before a request is admitted
+    request.py            one request's state
+    detokenizer.py        incremental token ids to text
+"""
