@@ -5,7 +5,7 @@ contracts in pyproject.toml (import-linter: `just lint`, tests/test_layers.py) c
 
     cli           `nanoserve serve | generate | bench`
     server/       HTTP: OpenAI routes, SSE, metrics (Quart-Trio on Hypercorn)
-    serving/      AsyncEngine, the Trio bridge: inbox, loop task, per-request channels;
+    bridge/       AsyncEngine, the Trio bridge: inbox, loop task, per-request channels;
                   the step, live and virtual clocks that turn a step into time
     bench, llm    the offline benchmark; LLM, the offline API
     engine/       Engine.step(): schedule -> execute -> sample -> update (sync, no clock);

@@ -13,11 +13,11 @@ import trio.testing
 from http_harness import AsgiHarness, serving, stub_parts
 from server_harness import GOOD, make_app, make_engine
 
+from nanoserve.bridge.clock import StepClock
 from nanoserve.config import EngineConfig
 from nanoserve.engine.engine import Engine
 from nanoserve.engine.outputs import StepResult
 from nanoserve.server import server_state
-from nanoserve.serving.clock import StepClock
 from sim.replay.faults import Fault, inject
 
 C = "/v1/completions"

@@ -3,7 +3,7 @@
     app.py       create_app(): the app around one engine; auth, errors, the engine task
     config.py    ServerConfig: the settings serve's flags decide; state.py: the app's state
     recording.py the `serve --record` hook (the recorder comes from an entry point)
-    openai.py    POST /v1/completions, POST /v1/chat/completions
+    generation.py  POST /v1/completions, POST /v1/chat/completions
     admin.py     GET /health, /v1/models, /metrics; POST /tokenize, /detokenize
     openapi.py   GET /openapi.json: the OpenAPI 3.1 document of these routes
     protocol.py  the request bodies as pydantic models: validation and /openapi.json
@@ -15,7 +15,7 @@
     hypercorn_fixes.py  HTTP/2 send race, reason phrases (installed before serving)
     main.py      `nanoserve serve`: arguments, weights loading, Hypercorn, signals
 
-This layer sits on `serving.AsyncEngine` and never touches the engine while it steps.
+This layer sits on `bridge.AsyncEngine` and never touches the engine while it steps.
 """
 
 from nanoserve.server.app import create_app, drain, server_state

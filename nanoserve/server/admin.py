@@ -23,7 +23,7 @@ from quart import Quart, Response, request
 from nanoserve.sampling.params import ParamError, check_vocab
 from nanoserve.server import parse
 from nanoserve.server.errors import ApiError, bad_request, from_param_error
-from nanoserve.server.openai import read_json
+from nanoserve.server.generation import read_json
 from nanoserve.server.protocol import validate
 from nanoserve.server.respond import json_response
 from nanoserve.server.state import current_state, ready

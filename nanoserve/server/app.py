@@ -27,10 +27,12 @@ from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
 
+from nanoserve.bridge import AsyncEngine, BridgeStats
+from nanoserve.bridge.clock import Clock
 from nanoserve.engine.engine import Engine
 from nanoserve.engine.outputs import StepResult
 from nanoserve.model.base import ModelStartError
-from nanoserve.server import admin, openai, openapi, recording
+from nanoserve.server import admin, generation, openapi, recording
 from nanoserve.server.config import ServerConfig
 from nanoserve.server.cors import CorsMiddleware
 from nanoserve.server.errors import ApiError, error_object
@@ -41,8 +43,6 @@ from nanoserve.server.recording import Recorder
 from nanoserve.server.render import TokenText
 from nanoserve.server.respond import SseBody, json_response
 from nanoserve.server.state import Ready, ServerState, counter_ids, current_state
-from nanoserve.serving import AsyncEngine, BridgeStats
-from nanoserve.serving.clock import Clock
 
 log = logging.getLogger("nanoserve.server")
 
@@ -113,7 +113,7 @@ def create_app(
     app.register_error_handler(ApiError, _api_error)
     app.register_error_handler(HTTPException, _http_error)
     app.register_error_handler(Exception, _unexpected)
-    openai.register(app)
+    generation.register(app)
     admin.register(app)
     openapi.register(app)
     return app

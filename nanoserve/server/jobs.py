@@ -25,12 +25,12 @@ from dataclasses import dataclass
 
 import trio
 
+from nanoserve.bridge import AsyncEngine, EngineDeadError, RequestStream
 from nanoserve.engine.admission import Prepared
 from nanoserve.engine.request import Update
 from nanoserve.sampling.params import ParamError
 from nanoserve.server.errors import ApiError, from_param_error
 from nanoserve.server.metrics import Metrics
-from nanoserve.serving import AsyncEngine, EngineDeadError, RequestStream
 
 log = logging.getLogger("nanoserve.server")
 

@@ -33,6 +33,7 @@ import hypercorn.config
 import trio
 
 from nanoserve import flags
+from nanoserve.bridge.clock import LiveClock
 from nanoserve.config import ConfigError, EngineConfig
 from nanoserve.engine.engine import Engine
 from nanoserve.model.base import ModelStartError
@@ -43,7 +44,6 @@ from nanoserve.server import checks, hypercorn_fixes
 from nanoserve.server.app import create_app, drain
 from nanoserve.server.config import CorsPolicy, ServerConfig
 from nanoserve.server.recording import Recorder
-from nanoserve.serving.clock import LiveClock
 
 log = logging.getLogger("nanoserve.server")
 

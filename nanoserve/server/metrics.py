@@ -37,8 +37,8 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.openmetrics import exposition as openmetrics
 
+from nanoserve.bridge import BridgeStats
 from nanoserve.engine.outputs import EngineStats, StepResult
-from nanoserve.serving import BridgeStats
 
 PREFIX = "nanoserve:"
 # vLLM's bucket bounds, in seconds (vllm/v1/metrics/loggers.py).

@@ -2,7 +2,7 @@
 
 A trace (DESIGN.md, "Trace format v1") describes a request by what its client did: the body
 it sent, the step boundary it arrived at, how fast it read, when it hung up. The bridge
-reports the step side (`serving.BridgeRecorder`); this module reports the HTTP side of each
+reports the step side (`bridge.BridgeRecorder`); this module reports the HTTP side of each
 generation request, as an `ExchangeRecorder`: the raw body as it arrived, the engine request
 ids the route turned it into, the status line and every body chunk once the transport took
 it (a send that blocks is a socket pushing back on a slow reader), and a hang-up
@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable
 from quart import request
 
-from nanoserve.serving import BridgeRecorder
+from nanoserve.bridge import BridgeRecorder
 
 if TYPE_CHECKING:
+    from nanoserve.bridge import AsyncEngine
     from nanoserve.engine.engine import Engine
     from nanoserve.server.config import ServerConfig
     from nanoserve.server.jobs import Job
-    from nanoserve.serving import AsyncEngine
 
 log = logging.getLogger("nanoserve.server")
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import trio
 from quart import current_app
 
+from nanoserve.bridge import AsyncEngine
 from nanoserve.engine.engine import Engine
 from nanoserve.server.config import ServerConfig
 from nanoserve.server.errors import ApiError
@@ -17,7 +18,6 @@ from nanoserve.server.metrics import Metrics
 from nanoserve.server.protocol import Protocol
 from nanoserve.server.recording import Recorder
 from nanoserve.server.render import TokenText
-from nanoserve.serving import AsyncEngine
 from nanoserve.tokenizer import Tokenizer
 
 

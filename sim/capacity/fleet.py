@@ -1,8 +1,8 @@
 """The engine-level virtual clock: nanoserve's own engines, stepped in modelled time.
 
 Capacity planning needs millions of steps, so it drives `Engine.step()` directly rather
-than through the Trio bridge and HTTP. The rules are the bridge's (nanoserve.serving) under
-the virtual clock (nanoserve.serving.clock.VirtualClock), restated as a discrete-event loop:
+than through the Trio bridge and HTTP. The rules are the bridge's (nanoserve.bridge) under
+the virtual clock (nanoserve.bridge.clock.VirtualClock), restated as a discrete-event loop:
 
 - A replica takes a step boundary at its own time `now`. At the boundary it first applies
   the aborts of clients that hung up during the last step, then admits every arrival routed

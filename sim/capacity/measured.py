@@ -22,12 +22,12 @@ from contextlib import AsyncExitStack
 
 import trio
 
+from nanoserve.bridge import AsyncEngine, RequestStream
+from nanoserve.bridge.clock import LiveClock, Step
 from nanoserve.engine.engine import Engine
 from nanoserve.engine.outputs import StepResult
 from nanoserve.progress import bar
 from nanoserve.sampling.params import ParamError, SamplingParams
-from nanoserve.serving import AsyncEngine, RequestStream
-from nanoserve.serving.clock import LiveClock, Step
 from sim.capacity.fleet import Record, SimResult
 from sim.capacity.routers import Router
 from sim.load.workload import SimRequest, Workload

@@ -1,6 +1,6 @@
 """`nanoserve serve --record`: live traffic written as a trace that `sim replay` repeats.
 
-The recorder listens at two layers (nanoserve.serving.BridgeRecorder for the steps,
+The recorder listens at two layers (nanoserve.bridge.BridgeRecorder for the steps,
 nanoserve.server.recording for the HTTP exchanges). It appends to the file as it goes
 (sim/trace/journal.py: a request's line when a boundary takes it, its client and its
 expectation once it has ended, each line handed to the kernel whole), so a kill or a crash
@@ -75,9 +75,9 @@ from sim.trace.write import (
 )
 
 if TYPE_CHECKING:
+    from nanoserve.bridge import AsyncEngine
     from nanoserve.engine.engine import Engine
     from nanoserve.server.config import ServerConfig
-    from nanoserve.serving import AsyncEngine
     from sim.record.redact import Redactor
 
 log = logging.getLogger("sim.record")

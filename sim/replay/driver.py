@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 import trio
 import trio.testing
 
+from nanoserve.bridge import AsyncEngine
+from nanoserve.bridge.clock import Step
 from nanoserve.engine.outputs import StepResult
 from nanoserve.server import ServerConfig, create_app, server_state
-from nanoserve.serving import AsyncEngine
-from nanoserve.serving.clock import Step
 from sim.http.asgi_client import AsgiClient, serve_in_process
 from sim.replay.clients import Client
 from sim.replay.faults import inject, kills_loop, parse_faults, quiet_injected

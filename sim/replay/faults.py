@@ -48,7 +48,7 @@ __all__ = ["Fault", "FaultyModel", "FaultyTokenizer", "InjectedFault",
            "inject", "kills_loop", "parse_faults", "quiet_injected"]
 
 # The loggers that report a failure with its traceback (the bridge's loop, the app's 500s).
-_LOGGERS = ("nanoserve.serving", "nanoserve.server")
+_LOGGERS = ("nanoserve.bridge", "nanoserve.server")
 
 class InjectedFault(RuntimeError):
     """The error every injected fault raises; its message names the fault."""

@@ -13,9 +13,9 @@ from typing import Any
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
+from nanoserve.bridge import AsyncEngine, BridgeStats
 from nanoserve.server import server_state
 from nanoserve.server.jobs import Registry
-from nanoserve.serving import AsyncEngine, BridgeStats
 from sim.soak import twin as soak_twin
 from sim.soak.client import Outcome, Progress, request, run_all
 

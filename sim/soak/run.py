@@ -32,10 +32,10 @@ from typing import Any
 import trio
 
 from nanoserve import flags
+from nanoserve.bridge.clock import LiveClock
 from nanoserve.config import EngineConfig
 from nanoserve.engine.engine import Engine
 from nanoserve.server import ServerConfig, counter_ids, create_app, server_state
-from nanoserve.serving.clock import LiveClock
 from sim.http.loopback import hypercorn_on_loopback
 from sim.soak import checks
 from sim.soak.client import Outcome, Progress, run_all

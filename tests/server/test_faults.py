@@ -37,10 +37,10 @@ from fault_harness import (
 from http_harness import serving, stub_parts
 from server_harness import assert_error, make_app
 
+from nanoserve.bridge import AsyncEngine
+from nanoserve.bridge.clock import GateClock, StepClock
 from nanoserve.sampling.params import SamplingParams
 from nanoserve.server import server_state
-from nanoserve.serving import AsyncEngine
-from nanoserve.serving.clock import GateClock, StepClock
 from sim.replay.faults import Fault, quiet_injected
 
 
@@ -200,7 +200,7 @@ async def test_quiet_injected_silences_the_bridge_and_the_server_only_for_inject
     assert out.outputs[0].finish_reason == "error"
     assert not [r for r in caplog.records if r.exc_info]
     caplog.clear()
-    logging.getLogger("nanoserve.serving").error("not injected", exc_info=ValueError("x"))
+    logging.getLogger("nanoserve.bridge").error("not injected", exc_info=ValueError("x"))
     with quiet_injected():
-        logging.getLogger("nanoserve.serving").error("not injected", exc_info=ValueError("y"))
+        logging.getLogger("nanoserve.bridge").error("not injected", exc_info=ValueError("y"))
     assert len(caplog.records) == 2

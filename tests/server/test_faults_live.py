@@ -22,11 +22,11 @@ from fault_harness import BOUND_S, STREAM, Steps, reference
 from http_harness import hypercorn_on_loopback, serving, stub_parts
 from server_harness import make_app, make_engine
 
+from nanoserve.bridge.clock import GateClock, LiveClock
 from nanoserve.config import EngineConfig
 from nanoserve.engine.engine import Engine
 from nanoserve.model.base import Model
 from nanoserve.server import server_state
-from nanoserve.serving.clock import GateClock, LiveClock
 from sim.replay.faults import FaultyModel
 
 C = "/v1/completions"

@@ -17,9 +17,9 @@ import trio
 from http_harness import hypercorn_on_loopback
 from server_harness import make_engine
 
+from nanoserve.bridge.clock import LiveClock
 from nanoserve.model.loader import resolve_model
 from nanoserve.server import ServerConfig, counter_ids, create_app, server_state
-from nanoserve.serving.clock import LiveClock
 from sim.bench.guidellm import GUIDELLM, guidellm_command, offline_env, summarize
 
 ROOT = Path(__file__).resolve().parents[2]

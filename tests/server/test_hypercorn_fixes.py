@@ -31,10 +31,10 @@ from http_harness import hypercorn_on_loopback
 from hypercorn.events import Closed, RawData
 from server_harness import make_engine
 
+from nanoserve.bridge.clock import LiveClock
 from nanoserve.engine.engine import Engine
 from nanoserve.server import ServerConfig, counter_ids, create_app, server_state
 from nanoserve.server.hypercorn_fixes import _SafeTCPServer
-from nanoserve.serving.clock import LiveClock
 
 BODY = {"model": "stub", "prompt": "def step(self):", "max_tokens": 200, "temperature": 0.0,
         "stream": True, "ignore_eos": True}

@@ -18,8 +18,8 @@ import trio
 from http_harness import hypercorn_on_loopback, serving
 from server_harness import GOOD, assert_error, assert_serving, make_app, make_engine
 
+from nanoserve.bridge.clock import LiveClock
 from nanoserve.sampling.params import MAX_N
-from nanoserve.serving.clock import LiveClock
 
 SECRET = "sk-limits-0123456789abcdef"
 

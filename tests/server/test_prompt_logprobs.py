@@ -18,6 +18,7 @@ import torch
 from http_harness import serving, stub_parts
 from reference import NEAR_TIE, load_reference
 
+from nanoserve.bridge.clock import StepClock
 from nanoserve.config import EngineConfig
 from nanoserve.engine.engine import Engine
 from nanoserve.engine.outputs import RequestOutput
@@ -28,7 +29,6 @@ from nanoserve.sampling.params import MAX_LOGPROBS, SamplingParams
 from nanoserve.sampling.sampler import TokenLogprobs
 from nanoserve.server import ServerConfig, counter_ids, create_app
 from nanoserve.server.render import TokenText
-from nanoserve.serving.clock import StepClock
 from nanoserve.tokenizer import Tokenizer
 
 PROMPT = [1000 + (i * 37) % 900 for i in range(40)]  # 40 tokens: 3 blocks of 16, chunked

@@ -17,8 +17,8 @@ import trio
 from http_harness import hypercorn_on_loopback
 from server_harness import make_app, make_engine
 
+from nanoserve.bridge.clock import LiveClock
 from nanoserve.server import server_state
-from nanoserve.serving.clock import LiveClock
 
 schemathesis = pytest.importorskip("schemathesis")
 requests = pytest.importorskip("requests")

@@ -19,10 +19,10 @@ from prometheus_client.openmetrics import parser as openmetrics_parser
 from prometheus_client.parser import text_string_to_metric_families
 from server_harness import CREATED, GOOD, assert_error, assert_serving, make_app, make_engine
 
+from nanoserve.bridge.clock import GateClock, StepClock
 from nanoserve.engine.engine import Engine
 from nanoserve.server import ServerConfig, create_app, server_state
 from nanoserve.server.metrics import TTFT_BUCKETS
-from nanoserve.serving.clock import GateClock, StepClock
 
 CHAT = {"model": "stub", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [

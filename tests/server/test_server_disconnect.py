@@ -18,9 +18,9 @@ import trio.testing
 from http_harness import serving
 from server_harness import GOOD, assert_error, make_app, make_engine
 
+from nanoserve.bridge.clock import GateClock
 from nanoserve.engine.engine import Engine
 from nanoserve.server import drain, server_state
-from nanoserve.serving.clock import GateClock
 
 STREAM = {**GOOD, "max_tokens": 50, "stream": True, "ignore_eos": True}
 

@@ -1,13 +1,13 @@
 """`GET /server_info`: the one field of SGLang's route of that name that sglang-router reads
-when it registers a replica (sim/fleet.py; tests/server/test_fleet.py runs the router)."""
+when it registers a replica (sim/live_fleet.py; tests/server/test_fleet.py runs the router)."""
 
 from __future__ import annotations
 
 from http_harness import serving
 from server_harness import assert_error, make_app, make_engine
 
+from nanoserve.bridge.clock import StepClock
 from nanoserve.server import ServerConfig, counter_ids, create_app
-from nanoserve.serving.clock import StepClock
 
 
 async def test_server_info_names_the_served_model() -> None:

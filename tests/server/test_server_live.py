@@ -20,10 +20,10 @@ import trio.testing
 from http_harness import stub_parts
 from server_harness import live, make_engine
 
+from nanoserve.bridge.clock import GateClock
 from nanoserve.config import EngineConfig
 from nanoserve.engine.engine import Engine
 from nanoserve.server import server_state
-from nanoserve.serving.clock import GateClock
 from nanoserve.tokenizer import Tokenizer
 
 PROMPT = "def step(self):"

@@ -14,13 +14,13 @@ import trio
 import trio.testing
 from drain import drain, tokens
 
+from nanoserve.bridge import AsyncEngine
+from nanoserve.bridge.clock import VirtualClock
 from nanoserve.config import EngineConfig
 from nanoserve.engine.engine import Engine
 from nanoserve.model.base import ForwardBatch
 from nanoserve.model.stub import StubModel
 from nanoserve.sampling.params import SamplingParams
-from nanoserve.serving import AsyncEngine
-from nanoserve.serving.clock import VirtualClock
 from nanoserve.tokenizer import Tokenizer
 from sim.capacity.calibrate import geometric_mean, scaled
 from sim.capacity.cost import CostModel

@@ -24,10 +24,10 @@ import trio.testing
 from http_harness import hypercorn_on_loopback, serving, sse_events
 from server_harness import make_engine
 
+from nanoserve.bridge import AsyncEngine
+from nanoserve.bridge.clock import Clock, GateClock, LiveClock
 from nanoserve.engine.engine import Engine
 from nanoserve.server import ServerConfig, counter_ids, create_app, server_state
-from nanoserve.serving import AsyncEngine
-from nanoserve.serving.clock import Clock, GateClock, LiveClock
 from sim.record.recorder import TraceRecorder, model_sha256
 from sim.record.trace import frames_by_step
 from sim.trace.format import FramesByStep, Trace, load_trace

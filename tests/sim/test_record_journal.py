@@ -26,7 +26,7 @@ import trio.testing
 from server_harness import keep_reading, make_engine, read_until_ready
 from test_record import Raw, recorded, replay_in_thread
 
-from nanoserve.serving.clock import LiveClock
+from nanoserve.bridge.clock import LiveClock
 from sim.trace.format import TraceError, load_trace
 from sim.trace.journal import INCOMPLETE
 from sim.trace.write import dumps_trace

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from nanoserve.serving import AsyncEngine
+from nanoserve.bridge import AsyncEngine
 from sim import cli
 from sim.replay.run import replay
 from sim.trace.format import (

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from nanoserve.bridge import AsyncEngine
+from nanoserve.bridge.ledger import Ledger
 from nanoserve.engine.detokenizer import IncrementalDetokenizer
 from nanoserve.engine.request import Request, Update
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.server.render import Choice, Json, Shapes
-from nanoserve.serving import AsyncEngine
-from nanoserve.serving.ledger import Ledger
 from sim.replay.run import replay
 
 TRACES = Path(__file__).resolve().parents[2] / "traces"

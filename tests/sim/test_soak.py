@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from nanoserve.server import openai as openai_routes
-from nanoserve.serving import RequestStream
+from nanoserve.bridge import RequestStream
+from nanoserve.server import generation as openai_routes
 from sim.soak import twin as soak_twin
 from sim.soak.plan import HANGUP_KINDS, HANGUP_MAX_TOKENS, make_plan
 from sim.soak.run import RSS_LIMIT, SoakConfig, SoakResult, run_soak

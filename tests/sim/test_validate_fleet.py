@@ -10,11 +10,11 @@ import pytest
 import trio
 import trio.testing
 
+from nanoserve.bridge import AsyncEngine
+from nanoserve.bridge.clock import VirtualClock
 from nanoserve.config import EngineConfig
 from nanoserve.engine.engine import Engine
 from nanoserve.model.stub import StubModel
-from nanoserve.serving import AsyncEngine
-from nanoserve.serving.clock import VirtualClock
 from nanoserve.tokenizer import Tokenizer
 from sim.capacity.cost import CostModel
 from sim.capacity.fleet import Record, simulate

@@ -8,8 +8,8 @@ import pytest
 import trio
 import trio.testing
 
+from nanoserve.bridge.clock import GateClock, LiveClock, StepClock, VirtualClock
 from nanoserve.engine.outputs import StepResult
-from nanoserve.serving.clock import GateClock, LiveClock, StepClock, VirtualClock
 
 
 def result(step: int = 1) -> StepResult:

@@ -13,6 +13,8 @@ import trio
 import trio.testing
 from drain import drain, tokens
 
+from nanoserve.bridge import AsyncEngine, BridgeStats, EngineDeadError
+from nanoserve.bridge.clock import Clock, GateClock, LiveClock, StepClock, VirtualClock
 from nanoserve.config import EngineConfig
 from nanoserve.engine.admission import AdmissionError, Prepared
 from nanoserve.engine.engine import Engine
@@ -20,8 +22,6 @@ from nanoserve.engine.outputs import StepResult
 from nanoserve.engine.request import Update
 from nanoserve.model.stub import StubModel
 from nanoserve.sampling.params import ParamError, SamplingParams
-from nanoserve.serving import AsyncEngine, BridgeStats, EngineDeadError
-from nanoserve.serving.clock import Clock, GateClock, LiveClock, StepClock, VirtualClock
 from nanoserve.tokenizer import Tokenizer
 
 NUM_BLOCKS = 512

@@ -20,7 +20,7 @@ from nanoserve.engine.admission import Prepared
 from nanoserve.engine.request import FinishReason, Update
 from nanoserve.sampling.params import ParamError
 
-log = logging.getLogger("nanoserve.serving")
+log = logging.getLogger("nanoserve.bridge")
 
 
 @dataclass(slots=True, eq=False)

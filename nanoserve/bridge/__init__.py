@@ -1,6 +1,6 @@
-"""serving: the Trio side of nanoserve, between many request tasks and one engine.
+"""bridge: between Trio and the engine, many request tasks and one engine.
 
-    bridge    AsyncEngine: the inbox, the loop task that is the engine's only writer
+    async_engine  AsyncEngine: the inbox, the loop task that is the engine's only writer
     ledger    every accepted request until its last final update; the per-request channels
     types     BridgeStats, EngineDeadError, the recorder hook (BridgeRecorder)
     stream    RequestStream: one request's updates, and its reader's hang-up as an abort
@@ -12,9 +12,9 @@ The engine below knows nothing of Trio; everything here does.
 
 from __future__ import annotations
 
-from nanoserve.serving.bridge import AsyncEngine
-from nanoserve.serving.stream import RequestStream
-from nanoserve.serving.types import (
+from nanoserve.bridge.async_engine import AsyncEngine
+from nanoserve.bridge.stream import RequestStream
+from nanoserve.bridge.types import (
     BridgeRecorder,
     BridgeStats,
     EngineDeadError,

@@ -1,6 +1,6 @@
 """RequestStream: one request's updates as an async iterator, and its reader's hang-up.
 
-The bridge (bridge.py) hands each accepted request a channel; the stream reads it and, when
+The bridge (async_engine.py) hands each accepted request a channel; the stream reads it and, when
 its reader stops early in any way (closing it, leaving `async with`, cancellation while
 waiting, or dropping it after `break`), tells the bridge to abort the request, with a
 synchronous call that is safe in a cancelled `finally`.

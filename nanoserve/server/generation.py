@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from quart import Quart, Response, current_app, request
 
+from nanoserve.bridge import EngineDeadError
 from nanoserve.engine.admission import Prepared
 from nanoserve.sampling.params import ParamError
 from nanoserve.server import parse
@@ -19,7 +20,6 @@ from nanoserve.server.errors import ApiError, from_param_error
 from nanoserve.server.render import Shapes
 from nanoserve.server.respond import respond
 from nanoserve.server.state import Ready, ServerState, current_state, ready
-from nanoserve.serving import EngineDeadError
 
 # Visible ASCII, no spaces: the id goes into logs and headers verbatim.
 _REQUEST_ID = re.compile(r"[!-~]{1,128}")

@@ -38,23 +38,23 @@ from contextlib import asynccontextmanager
 
 import trio
 
-from nanoserve.engine.admission import Prepared
-from nanoserve.engine.engine import Engine
-from nanoserve.engine.outputs import OutputBuilder, RequestOutput, StepResult
-from nanoserve.engine.request import FinishReason, Update
-from nanoserve.sampling.params import SamplingParams
-from nanoserve.serving.clock import Clock
-from nanoserve.serving.ledger import Entry, Ledger
-from nanoserve.serving.stream import RequestStream
-from nanoserve.serving.types import (
+from nanoserve.bridge.clock import Clock
+from nanoserve.bridge.ledger import Entry, Ledger
+from nanoserve.bridge.stream import RequestStream
+from nanoserve.bridge.types import (
     BridgeRecorder,
     BridgeStats,
     EngineDeadError,
     Prompt,
     StepListener,
 )
+from nanoserve.engine.admission import Prepared
+from nanoserve.engine.engine import Engine
+from nanoserve.engine.outputs import OutputBuilder, RequestOutput, StepResult
+from nanoserve.engine.request import FinishReason, Update
+from nanoserve.sampling.params import SamplingParams
 
-log = logging.getLogger("nanoserve.serving")  # the name it had before the package split
+log = logging.getLogger("nanoserve.bridge")  # the name it had before the package split
 
 
 
