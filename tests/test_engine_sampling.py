@@ -105,7 +105,7 @@ def test_n3_forks_share_the_prompt_blocks_once_with_ref_count_3(tok: Tokenizer) 
     e.add_request(prompt, params, "r")
     first = e.step()
     assert sorted(u.index for u in first.updates) == [0, 1, 2]
-    group = e._groups["r"]
+    group = e.parents.members("r")
     assert [r.index for r in group] == [0, 1, 2]
     parent_blocks = group[0].blocks
     assert parent_blocks[:2] == [0, 1]

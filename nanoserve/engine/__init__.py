@@ -6,7 +6,7 @@
     batch.py              the model's input for one step, from the scheduled requests
     scheduler.py          who runs this step: budgets, chunked prefill, preemption
     kv.py                 the paged KV cache's blocks, prefix caching
-    outputs.py, updates.py  what a step hands each request's reader
+    outputs.py            what a step hands out: each request's Update, the step's result
     stop.py, admission.py   stop conditions; checks before a request is admitted
     request.py            one request's state
     detokenizer.py        incremental token ids to text

@@ -12,7 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from nanoserve.engine.detokenizer import IncrementalDetokenizer
+from nanoserve.engine.request import Request
 from nanoserve.sampling.params import ParamError, SamplingParams, check_vocab
+from nanoserve.sampling.seeds import mix64
 from nanoserve.tokenizer import Tokenizer
 
 
@@ -67,4 +69,31 @@ def detokenizer_for(tokenizer: Tokenizer, prompt_ids: Sequence[int],
         skip_special_tokens=params.skip_special_tokens,
         stop=params.stop,
         include_stop_str_in_output=params.include_stop_str_in_output,
+    )
+
+
+def first_completion(prepared: Prepared, request_id: str, admission: int, engine_seed: int,
+                     tokenizer: Tokenizer) -> Request:
+    """The Request a prepared request is admitted as: its completion 0, carrying the n - 1
+    it will fork once its prompt is computed (parallel_sampling.py)."""
+    params = prepared.params
+    n = params.n
+    if n > 1:
+        params = params.child(0)
+    # An unseeded request still gets its own stream, from (engine seed, admission number):
+    # its draws then do not depend on the schedule, and a replay repeats them.
+    seed = params.seed
+    if seed is None:
+        seed = mix64(engine_seed ^ mix64(admission))
+    return Request(
+        request_id=request_id,
+        prompt_ids=prepared.prompt_ids,
+        params=params,
+        max_tokens=prepared.max_tokens,
+        seed=seed,
+        admission=admission,
+        detok=detokenizer_for(tokenizer, prepared.prompt_ids, params),
+        pending_children=n - 1,
+        # The first prompt token has no logprob: nothing precedes it.
+        prompt_logprobs=[None] if params.prompt_logprobs is not None else [],
     )

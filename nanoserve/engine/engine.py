@@ -1,6 +1,6 @@
 """The engine: one synchronous, deterministic step at a time.
 
-`Engine.step()` reads as what it does: schedule, execute, sample, update. It knows nothing
+`Engine.step()` reads as what it does: schedule, forward, fork, sample, update. It knows nothing
 of HTTP, threads or wall time; the same admitted requests with the same params and seeds
 give the same sequence of steps, which is what lets `sim replay` check a trace to the step.
 """
@@ -10,19 +10,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.admission import Prepared, check_request, detokenizer_for
+from nanoserve.engine.admission import Prepared, check_request, first_completion
 from nanoserve.engine.kv import BlockPool, KVManager
-from nanoserve.engine.outputs import EngineStats, StepResult
-from nanoserve.engine.parallel_sampling import share_prompt, siblings
+from nanoserve.engine.outputs import EngineStats, StepResult, final_update, token_update
+from nanoserve.engine.parallel_sampling import ParentRequests, share_prompt, unforked_finals
 from nanoserve.engine.request import FinishReason, Request, Status, Update
 from nanoserve.engine.runner import ModelRunner
 from nanoserve.engine.scheduler import Schedule, Scheduler, SchedulerFactory
-from nanoserve.engine.stop import check_stop
-from nanoserve.engine.updates import final_update, token_update
+from nanoserve.engine.stop import Ending, take_token
 from nanoserve.model.base import Model, ModelLost
 from nanoserve.sampling.grammar import GrammarError, Grammars
 from nanoserve.sampling.params import ParamError, SamplingParams
-from nanoserve.sampling.seeds import mix64
+from nanoserve.sampling.sampler import TokenLogprobs
 from nanoserve.tokenizer import Tokenizer
 
 
@@ -48,8 +47,7 @@ class Engine:
         self.grammars = Grammars(tokenizer, model.config.vocab_size)
         self.runner = ModelRunner(model, self.kv, bs, self.eos_token_ids, self.grammars)
         self.requests: dict[str, Request] = {}  # live requests by their own id
-        self._groups: dict[str, list[Request]] = {}  # caller's id -> its live completions
-        self._group_params: dict[str, SamplingParams] = {}
+        self.parents = ParentRequests()  # caller's id -> its live completions
         self.num_steps = 0
         self._admitted = 0
         self._prefill_tokens = 0
@@ -82,99 +80,63 @@ class Engine:
     def admit(self, prepared: Prepared, request_id: str | None = None) -> str:
         """Queue a prepared request. Only the engine's single writer calls this."""
         rid = request_id if request_id is not None else f"req-{self._admitted}"
-        if rid in self._groups:
+        if rid in self.parents:
             raise ParamError("request_id", f"request id {rid!r} is already in flight")
-        params = prepared.params
-        n = params.n
-        if n > 1:
-            params = params.child(0)
-        # An unseeded request still gets its own stream, from (engine seed, admission
-        # number): its draws then do not depend on the schedule, and a replay repeats them.
-        seed = params.seed
-        if seed is None:
-            seed = mix64(self.config.seed ^ mix64(self._admitted))
-        req = Request(
-            request_id=rid,
-            prompt_ids=prepared.prompt_ids,
-            params=params,
-            max_tokens=prepared.max_tokens,
-            seed=seed,
-            admission=self._admitted,
-            detok=detokenizer_for(self.tokenizer, prepared.prompt_ids, params),
-            pending_children=n - 1,
-            # The first prompt token has no logprob: nothing precedes it.
-            prompt_logprobs=[None] if params.prompt_logprobs is not None else [],
-        )
+        req = first_completion(prepared, rid, self._admitted, self.config.seed,
+                               self.tokenizer)
         self._admitted += 1
         self.requests[rid] = req
-        self._groups[rid] = [req]
-        self._group_params[rid] = prepared.params
+        self.parents.add(req, prepared.params)
         self.scheduler.add(req)
         return rid
 
     def _fork(self, parent: Request) -> list[Request]:
-        """The n - 1 siblings of a request whose prompt was just computed (completions.py):
-        those that got the prompt's blocks, to draw this step; the others wait in front."""
-        children: list[Request] = []
-        for child in siblings(parent, self._group_params[parent.group], self.tokenizer):
+        """The n - 1 siblings of a request whose prompt was just computed
+        (parallel_sampling.py): those that got the prompt's blocks, to draw this step; the
+        others wait in front."""
+        drawing: list[Request] = []
+        for child in self.parents.fork(parent, self.tokenizer):
             self.requests[child.request_id] = child
-            self._groups[parent.group].append(child)
             if share_prompt(parent, child, self.pool, self.model):
                 self.scheduler.add_running(child)
-                children.append(child)
+                drawing.append(child)
             else:
                 self.scheduler.add_first(child)
-        parent.pending_children = 0
-        return children
+        return drawing
 
     def abort_request(self, request_id: str) -> list[Update]:
         """End a request (all its completions) now: the client is gone. Returns the final
         updates, one per completion not yet finished; none if the id is unknown."""
-        group = self._groups.get(request_id)
-        if group is None:
+        if request_id not in self.parents:
             return []
         self._aborted += 1
-        out: list[Update] = []
-        for req in list(group):
-            out += self._finish_all(req, FinishReason.ABORT)
-        return out
+        return [u for req in self.parents.members(request_id)
+                for u in self._finish_all(req, FinishReason.ABORT)]
 
     def _finish_all(
         self, req: Request, reason: FinishReason, error: str | None = None
     ) -> list[Update]:
         """Finish `req` and the completions it has not forked yet (they end with it)."""
-        pending = req.pending_children
+        unforked = unforked_finals(req, reason, error)
         req.pending_children = 0
-        out = [self._finish(req, reason, (), error=error)]
-        out += [
-            Update(
-                req.group,
-                (),
-                "",
-                index=i,
-                finished=True,
-                finish_reason=reason.value,
-                error=error,
-                num_prompt_tokens=req.num_prompt,
-            )
-            for i in range(1, pending + 1)
-        ]
-        return out
+        return [self._finish(req, Ending(reason, error=error)), *unforked]
 
     def has_unfinished(self) -> bool:
-        return bool(self._groups)
+        return bool(self.parents)
 
     # -- the step ------------------------------------------------------------------------------
 
     def step(self) -> StepResult:
-        """Schedule, run the model and sample, then apply each row's token."""
+        """Schedule, run the model, fork what wants n completions, sample, then apply each
+        row's token."""
         self.num_steps += 1
         schedule = self.scheduler.schedule()
         preempted = self._ids(schedule.preempted)
         if not schedule.scheduled:
             return StepResult(self.num_steps, (), preempted, 0, 0)
         try:
-            ran = self.runner.run(schedule, self._group_params, self._fork_rows)
+            forwarded = self.runner.forward(schedule, self.parents.params)
+            ran = self.runner.sample(forwarded, self._fork_rows(forwarded.samplers))
         except ModelLost:
             raise  # no later step can run either: the engine itself has failed
         except Exception as exc:  # a broken step fails its own requests, not the engine
@@ -193,7 +155,7 @@ class Engine:
         return tuple(
             u
             for g in failed
-            for r in list(self._groups.get(g, ()))
+            for r in self.parents.members(g)
             for u in self._finish_all(r, FinishReason.ERROR, f"step failed: {exc!r}")
         )
 
@@ -207,65 +169,22 @@ class Engine:
                 rows += [(i, c) for c in self._fork(r) if c.num_computed]
         return rows
 
-    def _update(self, req: Request, token: int, logprobs: object) -> Update:
-        """Append a sampled token and decide whether the request is done."""
-        req.token_ids.append(token)
-        req.logprobs.append(logprobs)  # type: ignore[arg-type]
-        if req.first_token_step is None:
-            req.first_token_step = self.num_steps
-        detok = req.detok
-        matched = None
-        if detok is not None:  # None: detokenize=False, which forbids stop strings
-            try:
-                matched = detok.add_token(token)
-            except Exception as exc:  # e.g. a tokenizer that raises: fails this request only
-                self._failed += 1
-                return self._finish(req, FinishReason.ERROR, (token,),
-                                    error=f"detokenizer: {exc!r}")
-        if req.grammar is not None and not req.grammar.consume_token(token):
-            self._failed += 1
-            spec = req.params.guided
-            if req.grammar.is_error() and spec is not None:
-                # The constraint itself gave up (llguidance's parser limits, met by a
-                # grammar with no finite completion that compile could not see): the
-                # request's fault, named by its field.
-                why = req.grammar.get_error().splitlines()[0]
-                return self._finish(req, FinishReason.ERROR, (token,), error_param=spec.field,
-                                    error=f"{spec.field}: the constraint cannot be followed "
-                                    f"(it gave up at output token {req.num_output}: {why})")
-            # Otherwise only a token the mask did not govern breaks it: fail this one.
-            return self._finish(req, FinishReason.ERROR, (token,),
-                                error=f"token {token} breaks the request's constraint")
-        stop = check_stop(req, token, matched, self.eos_token_ids)
-        if stop is None and req.grammar is not None and req.grammar.is_stopped():
-            # Complete, and nothing more is allowed (so even under ignore_eos): stop here.
-            stop = (FinishReason.STOP, None)
-        if stop is not None:
-            return self._finish(req, stop[0], (token,), stop_reason=stop[1])
-        return token_update(req, token, "" if detok is None else detok.pop_delta())
+    def _update(self, req: Request, token: int, logprobs: TokenLogprobs | None) -> Update:
+        """Apply a sampled token (stop.py): the token's update, or the request's last."""
+        ending = take_token(req, token, logprobs, self.num_steps, self.eos_token_ids)
+        if ending is None:
+            return token_update(req, token, "" if req.detok is None else req.detok.pop_delta())
+        self._failed += ending.reason is FinishReason.ERROR
+        return self._finish(req, ending, (token,))
 
-    def _finish(
-        self,
-        req: Request,
-        reason: FinishReason,
-        new_tokens: tuple[int, ...],
-        *,
-        stop_reason: int | str | None = None,
-        error: str | None = None,
-        error_param: str | None = None,
-    ) -> Update:
+    def _finish(self, req: Request, ending: Ending, new_tokens: tuple[int, ...] = ()) -> Update:
         self.scheduler.remove(req)
         req.status = Status.FINISHED
-        req.finish_reason = reason
-        req.stop_reason = stop_reason
-        req.error = error
+        req.finish_reason, req.stop_reason, req.error = (ending.reason, ending.stop_reason,
+                                                         ending.error)
         del self.requests[req.request_id]
-        group = self._groups[req.group]
-        group.remove(req)
-        if not group:
-            del self._groups[req.group]
-            del self._group_params[req.group]
-        if reason is not FinishReason.ERROR and reason is not FinishReason.ABORT:
+        self.parents.ended(req)
+        if ending.reason is not FinishReason.ERROR and ending.reason is not FinishReason.ABORT:
             self._finished += 1
         text = ""
         if req.detok is not None:
@@ -273,7 +192,8 @@ class Engine:
                 text = req.detok.pop_delta() + req.detok.finish()
             except Exception:  # the request is already failing; keep its error
                 text = ""
-        return final_update(req, reason, new_tokens, text, stop_reason, error, error_param)
+        return final_update(req, ending.reason, new_tokens, text, ending.stop_reason,
+                            ending.error, ending.error_param)
 
     # -- introspection ---------------------------------------------------------------------------
 

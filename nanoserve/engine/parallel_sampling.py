@@ -1,4 +1,6 @@
-"""n > 1: the sibling completions of a request, forked once its prompt is computed.
+"""n > 1: the sibling completions of a request, forked once its prompt is computed, and the
+bookkeeping of a caller's request as the group of its completions (`ParentRequests`, after
+vLLM's ParentRequest in parallel_sampling.py).
 
 A request with n completions is admitted as one Request (completion 0) that carries
 `pending_children = n - 1`. The step that computes the last token of its prompt forks the
@@ -11,11 +13,11 @@ it will write into (`share_prompt`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from nanoserve.engine.admission import detokenizer_for
 from nanoserve.engine.kv import BlockPool
-from nanoserve.engine.request import Request
+from nanoserve.engine.request import FinishReason, Request, Update
 from nanoserve.model.base import Model
 from nanoserve.sampling.params import SamplingParams
 from nanoserve.sampling.seeds import mix64
@@ -58,3 +60,55 @@ def share_prompt(parent: Request, child: Request, pool: BlockPool, model: Model)
     child.block_hashes = list(parent.block_hashes)
     child.num_computed = parent.num_computed
     return True
+
+
+class ParentRequests:
+    """Every caller's request in flight, as the group of its live completions: the one
+    place that knows a request id is taken, which params its n completions share, and when
+    the last of them has ended."""
+
+    def __init__(self) -> None:
+        self._members: dict[str, list[Request]] = {}  # caller's id -> its live completions
+        self._params: dict[str, SamplingParams] = {}  # caller's id -> the params it sent
+
+    @property
+    def params(self) -> Mapping[str, SamplingParams]:
+        return self._params
+
+    def __contains__(self, group: str) -> bool:
+        return group in self._members
+
+    def __bool__(self) -> bool:
+        return bool(self._members)
+
+    def add(self, first: Request, params: SamplingParams) -> None:
+        """A newly admitted request: its completion 0, and the params all n share."""
+        self._members[first.group] = [first]
+        self._params[first.group] = params
+
+    def members(self, group: str) -> list[Request]:
+        """The group's live completions (a copy: ending them changes the group)."""
+        return list(self._members.get(group, ()))
+
+    def fork(self, parent: Request, tokenizer: Tokenizer) -> list[Request]:
+        """The parent's n - 1 siblings, now members of its group (siblings() says how)."""
+        children = list(siblings(parent, self._params[parent.group], tokenizer))
+        self._members[parent.group] += children
+        parent.pending_children = 0
+        return children
+
+    def ended(self, req: Request) -> None:
+        """`req` has finished: the group is gone with its last completion."""
+        group = self._members[req.group]
+        group.remove(req)
+        if not group:
+            del self._members[req.group]
+            del self._params[req.group]
+
+
+def unforked_finals(req: Request, reason: FinishReason, error: str | None) -> list[Update]:
+    """The final updates of the completions `req` has not forked yet: they end with it,
+    never having drawn a token."""
+    return [Update(req.group, (), "", index=i, finished=True, finish_reason=reason.value,
+                   error=error, num_prompt_tokens=req.num_prompt)
+            for i in range(1, req.pending_children + 1)]

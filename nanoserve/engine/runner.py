@@ -1,14 +1,17 @@
 """Running a schedule: the model's forward, prompt scoring, and the draw of each row's token.
 
-`ModelRunner.run` is the part of a step that touches tensors: build the batch, run the
-model (or take its greedy picks directly when it offers them and every row is a plain
-argmax: the stub's fast path in simulation), score prompt tokens, advance the computed
-counts, and sample. Whatever it raises, the engine contains to the step's own requests.
+The runner is the part of a step that touches tensors, in two calls with the engine's fork
+between them. `forward`: build the batch, run the model (or take its greedy picks directly
+when it offers them and every row is a plain argmax: the stub's fast path in simulation),
+score prompt tokens, advance the computed counts. `sample`: one draw per (logits row,
+request), the rows the engine hands back (an n > 1 request's forked siblings draw from
+their parent's row). Whatever either raises, the engine contains to the step's own
+requests.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,9 +25,16 @@ from nanoserve.sampling.grammar import Grammars
 from nanoserve.sampling.params import SamplingParams
 from nanoserve.sampling.sampler import SampleOutput, SamplingRow, TokenLogprobs, sample
 
-# (logits row, request) for every draw of the step, given the requests that sample: the
-# engine's hook that adds the forked siblings of an n > 1 request (engine.py).
-ForkRows = Callable[[list[Request]], list[tuple[int, Request]]]
+
+@dataclass(frozen=True, slots=True)
+class Forwarded:
+    """The model's pass over one schedule: its work, the requests that sample this step
+    (one per logits row, in row order), and their logits, or the model's own greedy picks."""
+
+    work: Work
+    samplers: list[Request]
+    logits: torch.Tensor  # [len(samplers), vocab]; empty when `direct`
+    direct: list[int] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,23 +59,26 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.grammars = grammars
 
-    def run(self, schedule: Schedule, group_params: Mapping[str, SamplingParams],
-            fork_rows: ForkRows) -> Ran:
+    def forward(self, schedule: Schedule,
+                group_params: Mapping[str, SamplingParams]) -> Forwarded:
         b = build_batch(schedule, self.block_size, group_params)
         direct = self._pick_directly(b)
         logits = self.model.forward(b.forward) if direct is None else torch.empty(0)
         if b.prompt.rows:
             score_prompt(logits, b.prompt)
             logits = logits[torch.tensor(b.sample_rows, dtype=torch.long, device=logits.device)]
-        work = advance(schedule, self.kv)
-        rows = fork_rows(b.samplers)
+        return Forwarded(advance(schedule, self.kv), b.samplers, logits, direct)
+
+    def sample(self, fwd: Forwarded, rows: list[tuple[int, Request]]) -> Ran:
+        """One draw for each (logits row, request) of `rows`."""
         reqs = [r for _, r in rows]
-        if direct is not None:
-            return Ran(work, reqs, [direct[i] for i, _ in rows], [None] * len(rows))
-        if len(rows) > len(b.samplers):  # forked siblings draw from their parent's row
+        if fwd.direct is not None:
+            return Ran(fwd.work, reqs, [fwd.direct[i] for i, _ in rows], [None] * len(rows))
+        logits = fwd.logits
+        if len(rows) > len(fwd.samplers):  # forked siblings draw from their parent's row
             logits = logits[torch.tensor([i for i, _ in rows], device=logits.device)]
         drawn = self._sample(logits, reqs)
-        return Ran(work, reqs, drawn.token_ids, drawn.logprobs)
+        return Ran(fwd.work, reqs, drawn.token_ids, drawn.logprobs)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> SampleOutput:
         rows = [SamplingRow(r.params, r.seed, r.num_output, r.prompt_ids, r.output_ids,
