@@ -79,8 +79,17 @@ class LlamaModel:
         self.reduce = reduce
         self.device = torch.device(device)
         self.dtype = dtype
+        self._choose_kernels(pack_weights, isa)
+        self._take_weights(weights)
+        self._plan_stack()
+        self._cos, self._sin = rope_tables(config, self.device, dtype)
+        self.kv_cache: torch.Tensor | None = None  # [L, 2, num_blocks * block_size, KV, D]
+        self.block_size = 0
+
+    def _choose_kernels(self, pack_weights: bool | None, isa: str | None) -> None:
+        """Which kernels this model runs on, decided once from its device and dtype."""
         if pack_weights is None:  # wherever it is possible
-            pack_weights = (self.device.type == "cpu" and dtype == torch.float32
+            pack_weights = (self.device.type == "cpu" and self.dtype == torch.float32
                             and mkl_packing_available())
         self.pack_weights = pack_weights
         self.decode_group_bytes = DECODE_GROUP_BYTES
@@ -88,31 +97,27 @@ class LlamaModel:
         # layer parts, and decode attention for the head sizes it is compiled for; built for
         # the instruction set `isa` (default: NANOSERVE_ISA, else the CPU's best).
         self.kernels = (native.kernels(isa) if self.device.type == "cpu"
-                        and dtype == torch.float32 else None)
+                        and self.dtype == torch.float32 else None)
         self.native_layers = self.kernels is not None
-        self.native_attention = self.native_layers and config.head_dim in NATIVE_HEAD_DIMS
-
+        self.native_attention = (self.native_layers
+                                 and self.config.head_dim in NATIVE_HEAD_DIMS)
         # Quantized weights (model/quant.py) run on nanoserve's kernels: float32 on the CPU.
         self.quantized = self.native_layers
+
+    def _take_weights(self, weights: Mapping[str, torch.Tensor | QuantWeight]) -> None:
+        """The embedding, the final norm, the head and every layer, from the checkpoint's
+        tensors: float32 where they are, quantized where a kernel runs them here."""
+        config = self.config
 
         def w(name: str) -> torch.Tensor:
             t = weights[name]
             t = t.dequantize(self.kernels) if isinstance(t, QuantWeight) else t
-            return t.to(device=self.device, dtype=dtype)
+            return t.to(device=self.device, dtype=self.dtype)
 
         scratch = Scratch()  # what large batches dequantize a weight into, shared
 
-        def make_proj(parts: list[torch.Tensor | QuantWeight]) -> Proj | QuantProj:
-            """Several weights fused along the output: quantized where all share a format
-            that runs here, else float32."""
-            if self.quantized and all(isinstance(q, QuantWeight) for q in parts) and len(
-                    {q.format for q in parts if isinstance(q, QuantWeight)}) == 1:
-                return QuantProj(QuantWeight.cat([q for q in parts
-                                                  if isinstance(q, QuantWeight)]), scratch,
-                                 self.kernels)
-            dense = [q.dequantize(self.kernels) if isinstance(q, QuantWeight) else q
-                     for q in parts]
-            return Proj(torch.cat(dense).to(device=self.device, dtype=dtype), pack=pack_weights)
+        def proj(names: list[str]) -> Proj | QuantProj:
+            return self._fused([weights[n] for n in names], scratch)
 
         embed = weights["model.embed_tokens.weight"]
         # [vocab, hidden]: float32, or its quantized rows, dequantized as they are looked up
@@ -120,29 +125,38 @@ class LlamaModel:
         self.embed = None if self.embed_q is not None else w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
         head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-        self.lm_head = make_proj([weights[head]])  # hidden -> vocab
+        self.lm_head = proj([head])  # hidden -> vocab
         self.layers: list[_Layer] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-
-            def proj(*names: str, p: str = p) -> Proj | QuantProj:
-                return make_proj([weights[p + n + ".weight"] for n in names])
-
             self.layers.append(_Layer(
                 attn_norm=w(p + "input_layernorm.weight"),
-                qkv=proj("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-                o=proj("self_attn.o_proj"),
+                qkv=proj([p + f"self_attn.{x}_proj.weight" for x in "qkv"]),
+                o=proj([p + "self_attn.o_proj.weight"]),
                 mlp_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=proj("mlp.gate_proj", "mlp.up_proj"),
-                down=proj("mlp.down_proj"),
+                gate_up=proj([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                down=proj([p + "mlp.down_proj.weight"]),
             ))
-        # A decode-only step runs every layer in one native call (csrc/stack.cpp) when every
-        # projection is quantized in one format and decode attention is native: the same
-        # kernels in the same order, without 300 calls from Python.
+
+    def _fused(self, parts: list[torch.Tensor | QuantWeight], scratch: Scratch
+               ) -> Proj | QuantProj:
+        """Several weights fused along the output: quantized where all share a format that
+        runs here, else float32."""
+        quant = [q for q in parts if isinstance(q, QuantWeight)]
+        if self.quantized and len(quant) == len(parts) and len({q.format for q in quant}) == 1:
+            return QuantProj(QuantWeight.cat(quant), scratch, self.kernels)
+        dense = [q.dequantize(self.kernels) if isinstance(q, QuantWeight) else q for q in parts]
+        return Proj(torch.cat(dense).to(device=self.device, dtype=self.dtype),
+                    pack=self.pack_weights)
+
+    def _plan_stack(self) -> None:
+        """A decode-only step runs every layer in one native call (csrc/stack.cpp) when every
+        projection is quantized in one format and decode attention is native: the same
+        kernels in the same order, without 300 calls from Python."""
         formats = {p.weight.format if isinstance(p, QuantProj) else None
                    for ly in self.layers for p in (ly.qkv, ly.o, ly.gate_up, ly.down)}
         self.stack_format = (next(iter(formats)) if len(formats) == 1 and None not in formats
-                             and self.native_attention and reduce is None else None)
+                             and self.native_attention and self.reduce is None else None)
         # The stack's per-layer weights, gathered once: the same lists every decode step.
         self._stack_weights: tuple[object, ...] = ()
         if self.stack_format is not None:
@@ -153,17 +167,6 @@ class LlamaModel:
                 [ly.attn_norm for ly in self.layers], blocks(lambda ly: ly.qkv),
                 blocks(lambda ly: ly.o), [ly.mlp_norm for ly in self.layers],
                 blocks(lambda ly: ly.gate_up), blocks(lambda ly: ly.down), self.stack_format)
-        # RoPE angles for every position, once: pos * theta^(-2i/D) in float32 (the product
-        # is exact to one rounding, as in the reference), duplicated for rotate_half.
-        d = config.head_dim
-        inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, d, 2).float() / d)  # [D/2]
-        pos = torch.arange(config.max_position_embeddings, dtype=torch.float32)
-        angles = torch.outer(pos, inv_freq)
-        angles = torch.cat((angles, angles), dim=-1)  # [P, D]
-        self._cos = angles.cos().to(self.device, dtype)
-        self._sin = angles.sin().to(self.device, dtype)
-        self.kv_cache: torch.Tensor | None = None  # [L, 2, num_blocks * block_size, KV, D]
-        self.block_size = 0
 
     @classmethod
     def from_folder(
@@ -313,3 +316,15 @@ class LlamaModel:
                                  native=self.kernels if self.native_layers else None)
         out = attend(q, k, v, k_cache, v_cache, plan.attention, self.kernels)  # [T, H, D]
         return layer.o(out.view(h.shape[0], -1))  # [T, hidden]
+
+
+def rope_tables(config: ModelConfig, device: torch.device, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's cos and sin for every position, once: pos * theta^(-2i/D) in float32 (the
+    product is exact to one rounding, as in the reference), duplicated for rotate_half."""
+    d = config.head_dim
+    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, d, 2).float() / d)  # [D/2]
+    pos = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+    angles = torch.outer(pos, inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)  # [P, D]
+    return angles.cos().to(device, dtype), angles.sin().to(device, dtype)
