@@ -165,23 +165,36 @@ class Protocol:
 def protocol(served: str, vocab: int | None = None, max_len: int | None = None) -> Protocol:
     """The models for `served` (the only `model` a body may name); token ids below `vocab`
     and max_tokens below `max_len` once those are known."""
-    hi_id = None if vocab is None else vocab - 1
-    hi_tok = None if max_len is None else max_len - 1
-    TokenId = Annotated[Int, schema(minimum=0, maximum=hi_id)]
-    TokenIds = Annotated[list[TokenId], Field(min_length=1)]
-    Text = Annotated[StrictStr, Field(min_length=1)]
+    b = _Bounds(None if vocab is None else vocab - 1, None if max_len is None else max_len - 1)
+    sampling = _sampling_model(served, b)
+    return Protocol(served, *_generation_models(sampling, b), *_tokenizer_models(served, b))
+
+
+@dataclass(frozen=True, slots=True)
+class _Bounds:
+    """The bounds that depend on the served model: the highest token id and max_tokens."""
+
+    hi_id: int | None
+    hi_tok: int | None
+
+
+MAX_TOKENS_NOTE = "prompt + max_tokens must fit max_model_len and the KV pool (else a 400)"
+
+
+def _sampling_model(served: str, b: _Bounds) -> type[_Body]:
+    """The fields every generation request shares: those copied into SamplingParams."""
+    TokenId = Annotated[Int, schema(minimum=0, maximum=b.hi_id)]  # noqa: N806
+    MaxTokens = Annotated[Int | None, schema(  # noqa: N806
+        minimum=1, maximum=b.hi_tok, description=MAX_TOKENS_NOTE)]
     pen = schema(minimum=-MAX_ABS_PENALTY, maximum=MAX_ABS_PENALTY)
     # Keys are token ids: pydantic would write a key pattern as patternProperties, which
     # leaves other keys open, so this schema is spelled out.
-    LogitBias = Annotated[dict[StrictStr, Number], WithJsonSchema({
+    LogitBias = Annotated[dict[StrictStr, Number], WithJsonSchema({  # noqa: N806
         "type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
         "additionalProperties": {"type": "number", "minimum": -MAX_ABS_LOGIT_BIAS,
                                  "maximum": MAX_ABS_LOGIT_BIAS}})]
-    StopStr = Annotated[StrictStr, schema(minLength=1)]
-    MaxTokens = Annotated[Int | None, schema(
-        minimum=1, maximum=hi_tok,
-        description="prompt + max_tokens must fit max_model_len and the KV pool (else a 400)")]
-    Refused = Annotated[None, schema(description="not supported: any value is a 400")]
+    StopStr = Annotated[StrictStr, schema(minLength=1)]  # noqa: N806
+    Refused = Annotated[None, schema(description="not supported: any value is a 400")]  # noqa: N806
 
     class Sampling(_Body):
         """The fields copied into SamplingParams, with its ranges (nanoserve/sampling/params.py)."""
@@ -230,7 +243,19 @@ def protocol(served: str, vocab: int | None = None, max_len: int | None = None) 
         guided_grammar: Annotated[StrictStr | None, Field(min_length=1)] = None
         structured_outputs: StructuredOutputs | None = None
 
-    class Completion(Sampling):
+    return Sampling
+
+
+def _generation_models(sampling: type[_Body], b: _Bounds) -> tuple[type[_Body], type[_Body]]:
+    """Completion and Chat, each the shared fields plus its own."""
+    TokenId = Annotated[Int, schema(minimum=0, maximum=b.hi_id)]  # noqa: N806
+    TokenIds = Annotated[list[TokenId], Field(min_length=1)]  # noqa: N806
+    MaxTokens = Annotated[Int | None, schema(  # noqa: N806
+        minimum=1, maximum=b.hi_tok, description=MAX_TOKENS_NOTE)]
+    Text = Annotated[StrictStr, Field(min_length=1)]  # noqa: N806
+
+    # The base is built per served model (its bounds), which mypy cannot follow.
+    class Completion(sampling):  # type: ignore[misc,valid-type]
         """A completion; each prompt string is tokenized and must be non-empty."""
 
         model_config = ConfigDict(title="CompletionRequest")
@@ -241,7 +266,7 @@ def protocol(served: str, vocab: int | None = None, max_len: int | None = None) 
         best_of: Annotated[Int | None, schema(minimum=1, maximum=MAX_N,
                                                     description="must equal n")] = None
 
-    class Chat(Sampling):
+    class Chat(sampling):  # type: ignore[misc,valid-type]
         """A chat completion; messages go through the chat template."""
 
         model_config = ConfigDict(title="ChatCompletionRequest")
@@ -251,6 +276,14 @@ def protocol(served: str, vocab: int | None = None, max_len: int | None = None) 
         logprobs: Bool | None = None
         top_logprobs: Annotated[Int | None, schema(
             minimum=0, maximum=MAX_LOGPROBS, description="needs logprobs: true")] = None
+
+    return Completion, Chat
+
+
+def _tokenizer_models(served: str, b: _Bounds) -> tuple[type[_Body], type[_Body]]:
+    """/tokenize's and /detokenize's bodies."""
+    TokenId = Annotated[Int, schema(minimum=0, maximum=b.hi_id)]  # noqa: N806
+    TokenIds = Annotated[list[TokenId], Field(min_length=1)]  # noqa: N806
 
     class Tokenize(_Body):
         """prompt, or messages (which win)."""
@@ -273,7 +306,7 @@ def protocol(served: str, vocab: int | None = None, max_len: int | None = None) 
         model: Annotated[StrictStr | None, schema(enum=[served])] = None
         tokens: TokenIds
 
-    return Protocol(served, Completion, Chat, Tokenize, Detokenize)
+    return Tokenize, Detokenize
 
 
 # Errors name a field as SamplingParams does where the API has another name for it (the
