@@ -1,6 +1,6 @@
 """nanoserve: an LLM inference server written from scratch, and the simulator that runs it.
 
-Layers, top to bottom; a module imports only from layers below it (DESIGN.md). The
+Layers, top to bottom; a module imports only from layers below it (docs/ARCHITECTURE.md). The
 contracts in pyproject.toml (import-linter: `just lint`, tests/test_layers.py) check it:
 
     cli           `nanoserve serve | generate | bench`

@@ -1,6 +1,6 @@
 """A minimal ASGI driver for tests: requests, streams and hang-ups without a socket.
 
-Quart-Trio's own test client deadlocks on streams and hangs after a disconnect (DESIGN.md
+Quart-Trio's own test client deadlocks on streams and hangs after a disconnect (docs/ARCHITECTURE.md
 pitfalls), so tests drive the ASGI callable directly: the harness plays the server's side
 of the protocol (lifespan startup and shutdown, `http.request` body messages in, the
 `http.response.start` and `http.response.body` messages out) and can send

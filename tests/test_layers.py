@@ -1,4 +1,4 @@
-"""The layering of DESIGN.md holds: import-linter's contracts (pyproject.toml) all kept.
+"""The layering of docs/ARCHITECTURE.md holds: import-linter's contracts (pyproject.toml) all kept.
 
 In the suite, not only in `just lint`, so that CI fails the change that adds a cycle or
 makes a lower layer import a higher one.

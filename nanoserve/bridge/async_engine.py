@@ -9,7 +9,7 @@ Trio task happened to run first. Every request gets its own unbounded channel: t
 over each update with `send_nowait` and never waits for a reader, so a slow reader cannot
 slow the batch. A reader that stops (closes its stream, is cancelled, drops it) is a stopped
 request: its abort is a synchronous call, because any await in a cancelled `finally` would be
-cancelled again (DESIGN.md pitfalls).
+cancelled again (docs/ARCHITECTURE.md, pitfalls).
 
 A model that can be lost between steps (a tensor-parallel rank that dies or goes silent:
 `on_lost`, nanoserve.model.base) tells the bridge from its own thread; the news reaches the

@@ -1,25 +1,26 @@
 """Clocks: how one engine step maps to seconds, and when the next step may begin.
 
-The engine counts time in steps (DESIGN.md, "The step clock"); a clock decides two things
-for the bridge's loop task. `wait_turn()` returns when the next step boundary may be taken:
-the loop applies every arrival and abort that landed before it returns, then calls
-`run_step()`, which runs `Engine.step()` and returns its result once the step is over in that
-clock's notion of time. Updates are delivered only after `run_step()` returns, so a reader
-sees a step's tokens when the step has ended: after the thread (live), at once (step), after
-the modelled cost (virtual), or when the test hands over a ticket (gate).
+The engine counts time in steps (docs/ARCHITECTURE.md, "The bridge and the clocks"); a clock
+decides two things for the bridge's loop task. `wait_turn()` returns when the next step
+boundary may be taken: the loop applies every arrival and abort that landed before it
+returns, then calls `run_step()`, which runs `Engine.step()` and returns its result once the
+step is over in that clock's notion of time. Updates are delivered only after `run_step()`
+returns, so a reader sees a step's tokens when the step has ended: after the thread (live),
+at once (step), after the modelled cost (virtual), or when the test hands over a ticket
+(gate).
 
 Why the step and virtual clocks wait for quiescence at the boundary: a reader that reacts to
 step k (a client that hangs up after two frames) is a task of its own, and Trio runs ready
-tasks in a random order (DESIGN.md pitfalls). If the loop took the boundary as soon as it
-could, the hang-up would land before step k+1 in some runs and after it in others. Waiting
-until every other task is blocked (`trio.testing.wait_all_tasks_blocked`) places every
-reaction to step k before boundary k+1 in every run, so a replay is a pure function of its
-trace. Under `MockClock(autojump_threshold=0)` that wait wakes without moving virtual time.
-The catch for tests: waiters with equal cushions all wake together, so a test that calls
-`wait_all_tasks_blocked()` while such a loop has work learns that every task was blocked,
-not whether the loop has stepped since; `AsyncEngine.wait_idle()` says that. The gate clock
-has no such wait: its tickets are the synchronisation, and tests drive it with
-`wait_all_tasks_blocked()` freely.
+tasks in a random order (docs/ARCHITECTURE.md, pitfalls). If the loop took the boundary as
+soon as it could, the hang-up would land before step k+1 in some runs and after it in
+others. Waiting until every other task is blocked (`trio.testing.wait_all_tasks_blocked`)
+places every reaction to step k before boundary k+1 in every run, so a replay is a pure
+function of its trace. Under `MockClock(autojump_threshold=0)` that wait wakes without
+moving virtual time. The catch for tests: waiters with equal cushions all wake together, so
+a test that calls `wait_all_tasks_blocked()` while such a loop has work learns that every
+task was blocked, not whether the loop has stepped since; `AsyncEngine.wait_idle()` says
+that. The gate clock has no such wait: its tickets are the synchronisation, and tests drive
+it with `wait_all_tasks_blocked()` freely.
 
 Only the live clock uses a thread and real seconds; nothing here reads the wall clock.
 """

@@ -9,13 +9,13 @@ is one argmax. A row with the neutral value of a stage (repetition 1, top_p 1, m
 comes out of it bit-for-bit unchanged, so skipping or running a stage never changes a row.
 
 Randomness. A row's draw must depend only on (seed, token_index) and its own logits: not on
-its neighbours, the step, or preemption (DESIGN.md: "a seeded request's tokens do not depend
-on what else shares its batch"). Each row therefore draws exactly one uniform u in [0, 1),
-the top 53 bits of a splitmix64 hash of (seed, token_index), and takes the token where u
-falls in the row's cumulative distribution (inverse CDF: cumsum + searchsorted). We chose a
-hash over a torch.Generator seeded per row: it needs no generator object per row per step,
-it is the same number on every device and every torch version (a CUDA and a CPU Philox do
-not agree), and one number per row is all inverse CDF needs, where an exponential race
+its neighbours, the step, or preemption (docs/ARCHITECTURE.md: "a seeded request's tokens do
+not depend on what else shares its batch"). Each row therefore draws exactly one uniform u
+in [0, 1), the top 53 bits of a splitmix64 hash of (seed, token_index), and takes the token
+where u falls in the row's cumulative distribution (inverse CDF: cumsum + searchsorted). We
+chose a hash over a torch.Generator seeded per row: it needs no generator object per row per
+step, it is the same number on every device and every torch version (a CUDA and a CPU Philox
+do not agree), and one number per row is all inverse CDF needs, where an exponential race
 would need V of them. Every stage reduces along the vocabulary only, and which path a row
 takes (greedy or not, top-p's first look or full sort) depends on the row alone, so a row's
 numbers are the same whatever else is in the batch.

@@ -3,13 +3,14 @@
 A completions request may carry several prompts, each its own engine request with its own
 `RequestStream`; the handler wants them as one sequence of updates. Trio has no `select`,
 so each stream gets a small pump task that forwards its updates into the job's unbounded
-channel (DESIGN.md: per-request queues are unbounded, a slow reader never slows a batch).
+channel (docs/ARCHITECTURE.md: per-request queues are unbounded, a slow reader never slows a batch).
 The pumps live in the app's nursery because a streaming response outlives its handler.
 
 Ending a job is synchronous (`Job.close`): a hang-up reaches the response generator as
 `trio.Cancelled` or `GeneratorExit`, and any await in that `finally` would be cancelled
-again (DESIGN.md pitfalls). `close` therefore closes each `RequestStream` (its abort is a
-`*_nowait` call into the bridge, taken at the next step boundary) and cancels the pumps.
+again (docs/ARCHITECTURE.md, pitfalls). `close` therefore closes each `RequestStream` (its
+abort is a `*_nowait` call into the bridge, taken at the next step boundary) and cancels the
+pumps.
 
 The registry answers the questions the server asks about everything in flight: is the
 queue full (429), is this request id already taken, and, on shutdown, what is left to end.

@@ -1,6 +1,6 @@
 """The recorder hook at the HTTP layer: what `nanoserve serve --record` learns per request.
 
-A trace (DESIGN.md, "Trace format v1") describes a request by what its client did: the body
+A trace (sim/trace/format.py) describes a request by what its client did: the body
 it sent, the step boundary it arrived at, how fast it read, when it hung up. The bridge
 reports the step side (`bridge.BridgeRecorder`); this module reports the HTTP side of each
 generation request, as an `ExchangeRecorder`: the raw body as it arrived, the engine request

@@ -4,7 +4,7 @@ One `Choice` folds a completion's updates, for a unary answer and a stream alike
 chunk renders what arrived since the last chunk, a unary response renders everything. The
 logprobs of a chunk are those of the tokens since the last chunk, and `text_offset` carries
 on from it, so the concatenated chunks equal the unary response by construction, logprobs
-included (DESIGN.md: streaming is a delivery schedule, not a different model).
+included (docs/ARCHITECTURE.md: streaming is a delivery schedule, not a different model).
 
 Token strings. A byte-level BPE token is a run of *bytes* written in GPT-2's printable
 alphabet (byte 0x20 is "Ġ", and so on); a token in the middle of a multi-byte character is

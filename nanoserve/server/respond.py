@@ -1,6 +1,6 @@
 """From a job to an HTTP answer: a unary JSON body, or an SSE stream.
 
-The status is chosen before the first byte (DESIGN.md). Validation has already run by the
+The status is chosen before the first byte (docs/ARCHITECTURE.md). Validation has already run by the
 time a job exists; here the handler also waits for the job's *first* update before it
 commits to a status, so an error that comes with the first update (the engine failed, the
 server is shutting down) is still a proper 5xx. After that the status is sent, and a failure

@@ -13,7 +13,7 @@ the virtual clock (nanoserve.bridge.clock.VirtualClock), restated as a discrete-
 - 429s: the server refuses a request when the waiting ones (arrivals not yet taken at a
   boundary, plus the scheduler's queue) would exceed `max_queue` (server/jobs.py).
 - A streaming client that hangs up after k frames is aborted at the boundary after the
-  step that sent its k-th frame; a frame is an update with text or a finish (DESIGN.md).
+  step that sent its k-th frame; a frame is an update with text or a finish (docs/ARCHITECTURE.md).
 
 With one replica this is the same sequence of steps as AsyncEngine + VirtualClock
 (tests/test_capacity_fleet.py checks it), and with N it plans a fleet: a router places each

@@ -1,11 +1,12 @@
 """The client side of ASGI, for the replay driver: an app served in-process, no socket.
 
-Quart-Trio's test client deadlocks on long streams and hangs after a disconnect (DESIGN.md
-pitfalls), so the driver plays the server's part of the protocol itself: lifespan startup
-and shutdown, the request body in, the response messages out, and `http.disconnect` when a
-client hangs up. Every channel is unbounded and the app's `send` never waits, so a client
-that reads slowly never slows the app (DESIGN.md: per-request queues are unbounded); what
-the app has sent simply waits here until the client reads it.
+Quart-Trio's test client deadlocks on long streams and hangs after a disconnect
+(docs/ARCHITECTURE.md pitfalls), so the driver plays the server's part of the protocol
+itself: lifespan startup and shutdown, the request body in, the response messages out, and
+`http.disconnect` when a client hangs up. Every channel is unbounded and the app's `send`
+never waits, so a client that reads slowly never slows the app (docs/ARCHITECTURE.md:
+per-request queues are unbounded); what the app has sent simply waits here until the client
+reads it.
 
 Nothing here blocks on the app except lifespan and `wait_complete()` (for a client that
 stalls its body, once the engine is idle): the driver reads what has arrived with `poll()`

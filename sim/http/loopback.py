@@ -3,7 +3,7 @@
 For the live-server tests, the recorder tests and `sim soak`: everything an HTTP client in
 the wild would meet (TCP, HTTP/1.1 framing, send buffers that fill, hang-ups that arrive as
 a closed socket) while the server's state stays inspectable. Hypercorn is stopped through
-its `shutdown_trigger`, never by cancelling `serve` (DESIGN.md pitfalls).
+its `shutdown_trigger`, never by cancelling `serve` (docs/ARCHITECTURE.md, pitfalls).
 """
 
 from __future__ import annotations

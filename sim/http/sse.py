@@ -9,7 +9,7 @@ even inside a multi-byte UTF-8 character: the parser buffers bytes and decodes w
 
 A stream ends at `data: [DONE]` (nanoserve, vLLM) or at EOF (Hugging Face's `transformers
 serve` sends no terminator on /v1/completions). A failure after the first byte is an
-`{"error": {...}}` frame (DESIGN.md), which `read_chunk` turns into `Chunk.error`.
+`{"error": {...}}` frame (docs/ARCHITECTURE.md), which `read_chunk` turns into `Chunk.error`.
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "replay", help="replay traces through the real server and check them",
         description="Replays each trace through nanoserve's own app in process, on the step "
-        "(or virtual) clock, and checks its expectation lines, the invariants of DESIGN.md "
-        "and, unless --no-twin, the stream/unary twin.")
+        "(or virtual) clock, and checks its expectation lines, the invariants of "
+        "docs/ARCHITECTURE.md and, unless --no-twin, the stream/unary twin.")
     p.add_argument("traces", nargs="+", metavar="TRACE")
     p.add_argument("--model", default=None, metavar="stub|smollm2|PATH",
                    help="weights to replay on (default: the header's); on other weights "

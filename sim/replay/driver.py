@@ -14,9 +14,10 @@ opens one. Each boundary goes:
    arrivals and runs one step (under the virtual clock it then sleeps the step's modelled
    cost, which `MockClock(autojump_threshold=0)` skips at once).
 
-Trio runs ready tasks in a random order (DESIGN.md pitfalls); nothing above depends on it,
-because every input reaches the engine before a boundary that waits for quiescence. Nothing
-reads wall time: ids come from the client's trace position, `created` is 0.
+Trio runs ready tasks in a random order (docs/ARCHITECTURE.md, pitfalls); nothing above
+depends on it, because every input reaches the engine before a boundary that waits for
+quiescence. Nothing reads wall time: ids come from the client's trace position, `created`
+is 0.
 
 The engine has no idle steps: if it runs out of work before a request's `at_step`, that
 request joins the next boundary (and the replay notes it). Under the virtual clock the driver
@@ -269,7 +270,8 @@ class Driver:
                               c.frames, aborted, c.hangup_step)
 
     def _check(self, outcome: Outcome) -> None:
-        """The invariants of DESIGN.md that one run can check (the twin checks the rest)."""
+        """The invariants (docs/ARCHITECTURE.md) one run can check (the twin checks the
+        rest)."""
         e = outcome.end
         # After a death the trace asked for, the engine is left as the fault found it (the
         # bridge does not touch a failed engine): its blocks stay held. What must hold then

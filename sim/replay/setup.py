@@ -111,7 +111,7 @@ def resolve_weights(header: TraceHeader, model: str | Model | None,
     have = _weights_sha256(name)
     if have == want:
         return Weights(loaded, tokenizer or tok, name, True)
-    # DESIGN.md: other weights under the same name replay, checked on invariants only.
+    # Other weights under the same name replay, checked on invariants only.
     return Weights(loaded, tokenizer or tok, name, False,
                    f"the header's model_sha256 {want[:12]} is not {name!r}'s "
                    f"({have[:12] if have else 'unknown'}): checking only the invariants and "

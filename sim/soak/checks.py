@@ -32,7 +32,7 @@ async def jobs_close(registry: Registry, grace_s: float) -> list[str]:
 async def settle(bridge: AsyncEngine, progress: Progress) -> list[str]:
     """Wait for the bridge to go idle once every job has closed, allowing it ONE more step:
     the one a live thread may be running. Each job closed its streams, so every request
-    still unfinished has its abort queued for the next boundary (DESIGN.md: a stopped
+    still unfinished has its abort queued for the next boundary (docs/ARCHITECTURE.md: a stopped
     reader is a stopped request, proved by a step count). A request still running after
     that is held by nobody: its blocks are leaked until it runs out of tokens."""
     limit = progress.steps + 2

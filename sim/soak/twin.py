@@ -1,10 +1,11 @@
 """Streams and their unary twins, reduced to one comparable shape.
 
-A stream is a delivery schedule, not a different model (DESIGN.md), so a completed stream's
-choices must equal the unary response to the same body: per choice index its text, its
-finish reason and, when logprobs were asked for, every token's logprobs entry (which names
-the token, so this compares token ids too); and the usage, when the stream asked for it.
-Completions and chat carry these in different places; `Choices` is what both reduce to.
+A stream is a delivery schedule, not a different model (docs/ARCHITECTURE.md), so a
+completed stream's choices must equal the unary response to the same body: per choice index
+its text, its finish reason and, when logprobs were asked for, every token's logprobs entry
+(which names the token, so this compares token ids too); and the usage, when the stream
+asked for it. Completions and chat carry these in different places; `Choices` is what both
+reduce to.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ steps of its first and last token, whether it was aborted), and at the end the e
 totals. It is built by the replay driver and, from live traffic, by the recorder; both write
 it with `expectation_lines`, so the two produce identical lines for identical traffic.
 
-Expectation fields of a request (DESIGN.md's, plus additive ones):
+Expectation fields of a request (the format's own, plus additive ones):
 
 - `status` (absent when the client hung up before the status line), `error` (the error code
   of a 4xx/5xx body or of a stream's error frame, absent when none),
@@ -25,7 +25,7 @@ Expectation fields of a request (DESIGN.md's, plus additive ones):
 the wire (an error the bridge wrote), else "abort" for a client that hung up. Token ids are
 the engine's: the wire carries text, not ids. Text is the client's: what it read.
 
-End fields: `steps`, `free_blocks`, `peak_used_blocks`, `preemptions` (DESIGN.md), plus
+End fields: `steps`, `free_blocks`, `peak_used_blocks`, `preemptions` (the format's), plus
 `num_blocks` and `aborted` (requests whose engine work ended by an abort), and
 `loop_failed: true` only when the engine loop died (an injected `schedule_raises` fault).
 

@@ -1,4 +1,4 @@
-"""Trace format v1 (DESIGN.md, "Trace format v1"): typed records and a strict loader (the
+"""Trace format v1: typed records and a strict loader (the
 writer is write.py).
 
 A trace is the contract between the recorder, `sim replay`, `sim load` and the tests, so the
@@ -7,7 +7,7 @@ before anything is replayed. It checks what makes a trace replayable (the header
 time field, unique ids, arrival order, the client's reading pattern) and never a request
 `body`: that is exactly what an HTTP client sent, and a trace may send a bad one on purpose.
 
-What this implementation adds to DESIGN.md's v1 (the format allows added fields): a third
+What this implementation adds to the original v1 (the format allows added fields): a third
 reading pattern, `client.read: {"frames_by_step": [[step, frames], ...]}`, which the
 recorder writes for slow readers and hang-ups (`FramesByStep`); and, on expectation lines,
 `error`, `frames`, `aborted`, `hangup_step` and, for n > 1, `choices` (sim/trace/expect.py).
