@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from quart import Quart, Response, request
+from quart import Quart, Response, current_app, request
 
 from nanoserve.sampling.params import ParamError, check_vocab
 from nanoserve.server import parse
@@ -31,75 +31,86 @@ from nanoserve.tokenizer import Tokenizer
 
 
 def register(app: Quart) -> None:
-    @app.get("/health")
-    async def health() -> Response:
-        st = current_state()
-        if st.draining:
-            raise ApiError(503, "the server is shutting down", None, "shutting_down")
-        r = ready(st)  # 503 while loading or after a failed load
-        if not r.bridge.healthy:
-            raise ApiError(503, "the engine loop has failed", None, "engine_dead")
-        return json_response({"status": "ok"})
+    """The admin routes (ROUTES, below) on `app`."""
+    for method, path, view in ROUTES:
+        app.add_url_rule(path, view.__name__, view, methods=[method])
 
-    @app.get("/v1/models")
-    async def models() -> Response:
-        st = current_state()
-        name = st.config.served_model_name
-        max_len = st.ready.engine.max_model_len if st.ready else None
-        card = {"id": name, "object": "model", "created": int(st.now()), "owned_by": "nanoserve",
-                "root": st.config.model_root or name, "parent": None, "max_model_len": max_len}
-        return json_response({"object": "list", "data": [card]})
 
-    @app.get("/server_info")
-    async def server_info() -> Response:
-        return json_response({"served_model_name": current_state().config.served_model_name})
+async def health() -> Response:
+    st = current_state()
+    if st.draining:
+        raise ApiError(503, "the server is shutting down", None, "shutting_down")
+    r = ready(st)  # 503 while loading or after a failed load
+    if not r.bridge.healthy:
+        raise ApiError(503, "the engine loop has failed", None, "engine_dead")
+    return json_response({"status": "ok"})
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        body, content_type = current_state().metrics.render(request.headers.get("Accept"))
-        resp: Response = app.response_class(body, status=200, content_type=content_type)
-        return resp
+async def models() -> Response:
+    st = current_state()
+    name = st.config.served_model_name
+    max_len = st.ready.engine.max_model_len if st.ready else None
+    card = {"id": name, "object": "model", "created": int(st.now()), "owned_by": "nanoserve",
+            "root": st.config.model_root or name, "parent": None, "max_model_len": max_len}
+    return json_response({"object": "list", "data": [card]})
 
-    @app.post("/tokenize")
-    async def tokenize() -> Response:
-        st = current_state()
-        r = ready(st)
-        body = await read_json()
-        parse.check_model(body, st.config.served_model_name)
-        req = validate(r.api.tokenize, body)
-        if req.messages is not None:
-            text = parse.chat_text(req.messages, req.add_generation_prompt, r.tokenizer,
-                                   st.config.chat_template)
-        elif req.prompt is None:
-            raise bad_request("prompt", "prompt (a string) or messages is required", "missing")
-        else:
-            text = req.prompt
-        ids = r.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
-        # The vocabulary's own strings ("Ġis"), as vLLM returns them: a client maps these
-        # back to ids, which decoded text (" is") cannot do.
-        strs = ([r.tokenizer.id_to_token(t) or "" for t in ids] if req.return_token_strs
-                else None)
-        return json_response({"count": len(ids), "max_model_len": r.engine.max_model_len,
-                              "tokens": ids, "token_strs": strs})
+async def server_info() -> Response:
+    return json_response({"served_model_name": current_state().config.served_model_name})
 
-    @app.get("/tokenizer_info")
-    async def tokenizer_info() -> Response:
-        st = current_state()
-        tok = ready(st).tokenizer
-        return json_response(tokenizer_config(tok, st.config.chat_template))
+async def metrics() -> Response:
+    body, content_type = current_state().metrics.render(request.headers.get("Accept"))
+    resp: Response = current_app.response_class(body, status=200,
+                                                content_type=content_type)
+    return resp
 
-    @app.post("/detokenize")
-    async def detokenize() -> Response:
-        st = current_state()
-        r = ready(st)
-        body = await read_json()
-        parse.check_model(body, st.config.served_model_name)
-        ids = validate(r.api.detokenize, body).tokens
-        try:
-            check_vocab("tokens", ids, r.engine.model.config.vocab_size)
-        except ParamError as exc:
-            raise from_param_error(exc) from None
-        return json_response({"prompt": r.tokenizer.decode(ids)})
+async def tokenize() -> Response:
+    st = current_state()
+    r = ready(st)
+    body = await read_json()
+    parse.check_model(body, st.config.served_model_name)
+    req = validate(r.api.tokenize, body)
+    if req.messages is not None:
+        text = parse.chat_text(req.messages, req.add_generation_prompt, r.tokenizer,
+                               st.config.chat_template)
+    elif req.prompt is None:
+        raise bad_request("prompt", "prompt (a string) or messages is required", "missing")
+    else:
+        text = req.prompt
+    ids = r.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
+    # The vocabulary's own strings ("Ġis"), as vLLM returns them: a client maps these
+    # back to ids, which decoded text (" is") cannot do.
+    strs = ([r.tokenizer.id_to_token(t) or "" for t in ids] if req.return_token_strs
+            else None)
+    return json_response({"count": len(ids), "max_model_len": r.engine.max_model_len,
+                          "tokens": ids, "token_strs": strs})
+
+async def tokenizer_info() -> Response:
+    st = current_state()
+    tok = ready(st).tokenizer
+    return json_response(tokenizer_config(tok, st.config.chat_template))
+
+async def detokenize() -> Response:
+    st = current_state()
+    r = ready(st)
+    body = await read_json()
+    parse.check_model(body, st.config.served_model_name)
+    ids = validate(r.api.detokenize, body).tokens
+    try:
+        check_vocab("tokens", ids, r.engine.model.config.vocab_size)
+    except ParamError as exc:
+        raise from_param_error(exc) from None
+    return json_response({"prompt": r.tokenizer.decode(ids)})
+
+
+# (method, path, view): every admin route, registered by `register`.
+ROUTES = (
+    ("GET", "/health", health),
+    ("GET", "/v1/models", models),
+    ("GET", "/server_info", server_info),
+    ("GET", "/metrics", metrics),
+    ("POST", "/tokenize", tokenize),
+    ("GET", "/tokenizer_info", tokenizer_info),
+    ("POST", "/detokenize", detokenize),
+)
 
 
 def tokenizer_config(tok: Tokenizer, chat_template: str | None) -> dict[str, Any]:

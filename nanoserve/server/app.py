@@ -79,10 +79,26 @@ def create_app(
                      id_source or counter_ids(), time_source, recorder=recorder)
     app.extensions["nanoserve"] = st
 
-    # The engine task has its own cancel scope: on shutdown it is cancelled (which closes
-    # the bridge and aborts whatever is left) and awaited, so shutdown ends with every KV
-    # block free. Quart-Trio's BACKGROUND_TASK_SHUTDOWN_TIMEOUT must stay a number: set to
-    # None it cancels the lifespan task itself, before it reports shutdown complete.
+    _engine_lifespan(app, st, engine, clock, on_fatal)
+    app.before_request(_authenticate)
+    # Outside everything else: a preflight needs no key and is no request of the API.
+    app.asgi_app = CorsMiddleware(app.asgi_app, config.cors)  # type: ignore[method-assign]
+    app.register_error_handler(ApiError, _api_error)
+    app.register_error_handler(HTTPException, _http_error)
+    app.register_error_handler(Exception, _unexpected)
+    generation.register(app)
+    admin.register(app)
+    openapi.register(app)
+    return app
+
+
+def _engine_lifespan(app: QuartTrio, st: ServerState, engine: EngineSource, clock: Clock,
+                     on_fatal: Callable[[BaseException], None] | None) -> None:
+    """The engine task starts with the app and stops with it. It has its own cancel scope:
+    on shutdown it is cancelled (which closes the bridge and aborts whatever is left) and
+    awaited, so shutdown ends with every KV block free. Quart-Trio's
+    BACKGROUND_TASK_SHUTDOWN_TIMEOUT must stay a number: set to None it cancels the
+    lifespan task itself, before it reports shutdown complete."""
     scope = trio.CancelScope()
     stopped = trio.Event()
 
@@ -95,28 +111,18 @@ def create_app(
         scope.cancel()
         await stopped.wait()
 
-    @app.before_request
-    async def authenticate() -> None:
-        key = config.api_key
-        if key is None or request.path == "/health":
-            return
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        # compare_digest: the time taken must not say how much of a guess was right.
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), key.encode()
-        ):
-            raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer "
-                           "<key>'", None, "invalid_api_key")
 
-    # Outside everything else: a preflight needs no key and is no request of the API.
-    app.asgi_app = CorsMiddleware(app.asgi_app, config.cors)  # type: ignore[method-assign]
-    app.register_error_handler(ApiError, _api_error)
-    app.register_error_handler(HTTPException, _http_error)
-    app.register_error_handler(Exception, _unexpected)
-    generation.register(app)
-    admin.register(app)
-    openapi.register(app)
-    return app
+async def _authenticate() -> None:
+    """With an API key, every route but /health needs `Authorization: Bearer KEY`."""
+    key = current_state().config.api_key
+    if key is None or request.path == "/health":
+        return
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    # compare_digest: the time taken must not say how much of a guess was right.
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                             key.encode()):
+        raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer "
+                       "<key>'", None, "invalid_api_key")
 
 
 def server_state(app: QuartTrio) -> ServerState:
