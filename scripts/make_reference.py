@@ -21,7 +21,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from reference import FIXTURE, MAX_NEW_TOKENS, NEAR_TIE, hf_greedy  # noqa: E402
+from support.reference import FIXTURE, MAX_NEW_TOKENS, NEAR_TIE, hf_greedy  # noqa: E402
 
 from nanoserve.model.loader import (  # noqa: E402
     EMBEDDED_GGUF,

@@ -4,7 +4,7 @@ hits, admission limits. Greedy throughout (temperature 0), so outputs are exact.
 from __future__ import annotations
 
 import pytest
-from drain import drain, tokens
+from support.drain import drain, tokens
 
 from nanoserve.config import ConfigError, EngineConfig
 from nanoserve.engine.admission import AdmissionError

@@ -3,7 +3,7 @@
 Every fixture prompt (20+, 10 to 500 tokens, several scripts, emoji, code) is decoded
 greedily for 32 tokens, once alone and once all together in one continuous batch whose
 token budget forces chunked prefill and whose small pool forces preemption by recompute.
-Both must match Hugging Face transformers' greedy output (tests/reference.py says which
+Both must match Hugging Face transformers' greedy output (tests/support/reference.py says which
 divergences a near-tie excuses); the pool must end with every block free.
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from drain import drain, tokens
-from reference import MAX_NEW_TOKENS, compare_greedy, load_reference
+from support.drain import drain, tokens
+from support.reference import MAX_NEW_TOKENS, compare_greedy, load_reference
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.engine import Engine

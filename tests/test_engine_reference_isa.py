@@ -7,7 +7,7 @@ set through the paths that differ by instruction set: every fixture prompt in on
 batch of at most 8 sequences (decode rows in the register band of the quantized kernel,
 prompt chunks in its tile band and in the dequantize-then-sgemm band, decode attention,
 norms, RoPE and SiLU), with a pool small enough to force preemption. Tokens must match
-Hugging Face transformers' greedy output up to near-ties (tests/reference.py), and the pool
+Hugging Face transformers' greedy output up to near-ties (tests/support/reference.py), and the pool
 must end with every block free.
 """
 
@@ -16,9 +16,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from drain import drain, tokens
-from native_check import ISA_PARAMS, kernels_for
-from reference import MAX_NEW_TOKENS, compare_greedy, load_reference
+from support.drain import drain, tokens
+from support.native_check import ISA_PARAMS, kernels_for
+from support.reference import MAX_NEW_TOKENS, compare_greedy, load_reference
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.engine import Engine

@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from drain import completion_tokens, drain
+from support.drain import completion_tokens, drain
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.engine import Engine

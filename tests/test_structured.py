@@ -13,13 +13,13 @@ from typing import Any
 
 import jsonschema
 import pytest
+from support.drain import completion_tokens, drain, tokens
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.engine import Engine
 from nanoserve.model.stub import StubModel
 from nanoserve.sampling.grammar import GuidedSpec
 from nanoserve.sampling.params import ParamError, SamplingParams
-from tests.drain import completion_tokens, drain, tokens
 
 SCHEMAS: list[dict[str, Any]] = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},

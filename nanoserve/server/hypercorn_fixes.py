@@ -9,7 +9,8 @@
    `trio.BusyResourceError`. `protocol_send` expects only Broken/ClosedResourceError, so it
    escapes the connection's task group, then `serve_listeners`' handler nursery, and ends
    `hypercorn.trio.serve`: one client stopped the whole server (an h2c router in front of
-   nanoserve did it at start-up; tests/test_http2.py repeats it with the h2 library).
+   nanoserve did it at start-up; tests/server/test_hypercorn_fixes.py repeats it with the
+   h2 library).
    `_SafeTCPServer` half-closes under the send lock, and skips the half-close when a send is
    under way (closing the socket ends that send with ClosedResourceError, which Hypercorn
    handles); and whatever else a connection raises is logged with its peer and ends that

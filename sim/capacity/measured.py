@@ -8,7 +8,7 @@ and queues the request there at once, so the next arrival sees it counted, as th
 does. A reader task per request streams its updates and notes when each arrives.
 
 `drive_fleet` works under any clock: under the virtual clock (trio.testing.MockClock) it is
-the slow, Trio path that tests/sim/test_capacity_fleet.py holds the fast engine-level loop
+the slow, Trio path that tests/sim/capacity/test_capacity_fleet.py holds the fast engine-level loop
 (sim/capacity/fleet.py) to. Under the live clock each bridge runs its steps in a worker
 thread (LiveClock), so N replicas step in parallel, as far as the torch threads (validate's
 --threads) and the GIL held by each step's Python let them.

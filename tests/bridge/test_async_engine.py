@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import pytest
 import trio
 import trio.testing
-from drain import drain, tokens
+from support.drain import drain, tokens
 
 from nanoserve.bridge import AsyncEngine, BridgeStats, EngineDeadError
 from nanoserve.bridge.clock import Clock, GateClock, LiveClock, StepClock, VirtualClock

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 import torch
-from native_check import require_native
-from reference import RefCase, compare_greedy, hf_greedy, load_reference
+from support.native_check import require_native
+from support.reference import RefCase, compare_greedy, hf_greedy, load_reference
 
 from nanoserve.model.base import ForwardBatch, ModelConfig
 from nanoserve.model.linear import Proj, mkl_packing_available

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from native_check import ISA_PARAMS, kernels_for, require_native
+from support.native_check import ISA_PARAMS, kernels_for, require_native
 
 from nanoserve.model import ops
 from nanoserve.model.attention import attend, plan_attention

@@ -13,6 +13,9 @@ from typing import Any
 
 import pytest
 import torch
+from support.drain import drain, tokens
+from support.native_check import require_native
+from support.reference import compare_greedy, load_reference
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.engine import Engine
@@ -24,9 +27,6 @@ from nanoserve.model.parallel.shard import cols, kv_heads_of, shard_weights
 from nanoserve.model.parallel.worker import LoadSpec, decode_batch, encode_batch
 from nanoserve.model.quant import quantize
 from nanoserve.sampling.params import SamplingParams
-from tests.drain import drain, tokens
-from tests.native_check import require_native
-from tests.reference import compare_greedy, load_reference
 
 # ---- a tiny synthetic Llama: 8 heads, 2 KV heads ---------------------------------------------
 

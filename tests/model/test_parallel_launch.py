@@ -2,7 +2,7 @@
 ranks start as fresh interpreters, so a script with no `__main__` guard works; the channel's
 pipe and files; the watch's heartbeat.
 
-The ranks here run a tiny random Llama (tests/tiny_llama.py): what is tested is how the
+The ranks here run a tiny random Llama (tests/support/tiny_llama.py): what is tested is how the
 processes start, talk and end, and its ranks load at once."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 import threading
 from pathlib import Path
 
-from tiny_llama import write_tiny_llama
+from support.tiny_llama import write_tiny_llama
 
 from nanoserve.llm import LLM
 from nanoserve.model.parallel.channel import (

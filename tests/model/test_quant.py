@@ -12,7 +12,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
-from native_check import ISA_PARAMS, kernels_for
+from support.native_check import ISA_PARAMS, kernels_for
 
 from nanoserve.model import native
 from nanoserve.model.gguf import read_gguf_weights

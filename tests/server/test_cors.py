@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from server_harness import GOOD, keep_reading, make_app, read_until_ready
+from support.server_harness import GOOD, keep_reading, make_app, read_until_ready
 
 from nanoserve.server.config import CorsPolicy
 from sim.http.loopback import hypercorn_on_loopback

@@ -22,7 +22,7 @@ import logging
 import pytest
 import trio
 import trio.testing
-from fault_harness import (
+from support.fault_harness import (
     BOUND_S,
     STREAM,
     UNARY,
@@ -34,8 +34,8 @@ from fault_harness import (
     reference,
     settle,
 )
-from http_harness import serving, stub_parts
-from server_harness import assert_error, make_app
+from support.http_harness import serving, stub_parts
+from support.server_harness import assert_error, make_app
 
 from nanoserve.bridge import AsyncEngine
 from nanoserve.bridge.clock import GateClock, StepClock

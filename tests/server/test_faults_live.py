@@ -18,9 +18,9 @@ from typing import Any
 
 import trio
 import trio.testing
-from fault_harness import BOUND_S, STREAM, Steps, reference
-from http_harness import hypercorn_on_loopback, serving, stub_parts
-from server_harness import make_app, make_engine
+from support.fault_harness import BOUND_S, STREAM, Steps, reference
+from support.http_harness import hypercorn_on_loopback, serving, stub_parts
+from support.server_harness import make_app, make_engine
 
 from nanoserve.bridge.clock import GateClock, LiveClock
 from nanoserve.config import EngineConfig

@@ -1,4 +1,4 @@
-"""Hypothesis fuzzes the HTTP surface in process (tests/http_harness.py) on the stub model.
+"""Hypothesis fuzzes the HTTP surface in process (tests/support/http_harness.py) on the stub model.
 
 Each example is a small batch of requests sent at once to a fresh app: bodies drawn from
 strategies that stay inside the served OpenAPI document (checked: every one validates),
@@ -18,10 +18,10 @@ from typing import Any
 
 import jsonschema_rs
 import trio
-from http_harness import AsgiHarness, HttpResponse, serving, stub_parts
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
-from server_harness import make_app, make_engine
+from support.http_harness import AsgiHarness, HttpResponse, serving, stub_parts
+from support.server_harness import make_app, make_engine
 
 from nanoserve.server import ServerConfig, server_state
 from nanoserve.server.openapi import request_schemas

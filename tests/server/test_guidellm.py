@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import trio
-from http_harness import hypercorn_on_loopback
-from server_harness import make_engine
+from support.http_harness import hypercorn_on_loopback
+from support.server_harness import make_engine
 
 from nanoserve.bridge.clock import LiveClock
 from nanoserve.model.loader import resolve_model

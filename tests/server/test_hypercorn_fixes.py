@@ -27,9 +27,9 @@ import hypercorn.config
 import pytest
 import trio
 import trio.testing
-from http_harness import hypercorn_on_loopback
 from hypercorn.events import Closed, RawData
-from server_harness import make_engine
+from support.http_harness import hypercorn_on_loopback
+from support.server_harness import make_engine
 
 from nanoserve.bridge.clock import LiveClock
 from nanoserve.engine.engine import Engine

@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from http_harness import hypercorn_on_loopback, serving
-from server_harness import GOOD, assert_error, assert_serving, make_app, make_engine
+from support.http_harness import hypercorn_on_loopback, serving
+from support.server_harness import GOOD, assert_error, assert_serving, make_app, make_engine
 
 from nanoserve.bridge.clock import LiveClock
 from nanoserve.sampling.params import MAX_N

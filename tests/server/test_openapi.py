@@ -11,8 +11,8 @@ import json
 from typing import Any
 
 import jsonschema_rs
-from http_harness import serving, stub_parts
-from server_harness import make_app
+from support.http_harness import serving, stub_parts
+from support.server_harness import make_app
 
 from nanoserve.sampling.params import MAX_LOGPROBS, MAX_N, MAX_SEED, MAX_STOP_STRINGS, MIN_SEED
 from nanoserve.server.openapi import document

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 import torch
-from http_harness import serving, stub_parts
-from reference import NEAR_TIE, load_reference
+from support.http_harness import serving, stub_parts
+from support.reference import NEAR_TIE, load_reference
 
 from nanoserve.bridge.clock import StepClock
 from nanoserve.config import EngineConfig

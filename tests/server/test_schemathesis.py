@@ -1,6 +1,6 @@
 """Schemathesis against the served `/openapi.json`, through a real Hypercorn socket.
 
-The server runs in this test's Trio loop (tests/http_harness.hypercorn_on_loopback) with an
+The server runs in this test's Trio loop (tests/support/http_harness.hypercorn_on_loopback) with an
 API key; schemathesis, which is synchronous (`requests`), runs in a worker thread, so the
 server's loop stays the only event loop. For every documented operation it generates bodies
 that fit the document (positive) and bodies that do not (negative), sends each with the
@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 import trio
-from http_harness import hypercorn_on_loopback
-from server_harness import make_app, make_engine
+from support.http_harness import hypercorn_on_loopback
+from support.server_harness import make_app, make_engine
 
 from nanoserve.bridge.clock import LiveClock
 from nanoserve.server import server_state

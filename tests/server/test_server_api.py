@@ -14,10 +14,17 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from http_harness import serving, stub_parts
 from prometheus_client.openmetrics import parser as openmetrics_parser
 from prometheus_client.parser import text_string_to_metric_families
-from server_harness import CREATED, GOOD, assert_error, assert_serving, make_app, make_engine
+from support.http_harness import serving, stub_parts
+from support.server_harness import (
+    CREATED,
+    GOOD,
+    assert_error,
+    assert_serving,
+    make_app,
+    make_engine,
+)
 
 from nanoserve.bridge.clock import GateClock, StepClock
 from nanoserve.engine.engine import Engine

@@ -15,8 +15,8 @@ from typing import Any
 
 import trio
 import trio.testing
-from http_harness import serving
-from server_harness import GOOD, assert_error, make_app, make_engine
+from support.http_harness import serving
+from support.server_harness import GOOD, assert_error, make_app, make_engine
 
 from nanoserve.bridge.clock import GateClock
 from nanoserve.engine.engine import Engine

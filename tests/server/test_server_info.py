@@ -3,8 +3,8 @@ when it registers a replica (sim/live_fleet.py; tests/server/test_fleet.py runs 
 
 from __future__ import annotations
 
-from http_harness import serving
-from server_harness import assert_error, make_app, make_engine
+from support.http_harness import serving
+from support.server_harness import assert_error, make_app, make_engine
 
 from nanoserve.bridge.clock import StepClock
 from nanoserve.server import ServerConfig, counter_ids, create_app

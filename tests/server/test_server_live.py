@@ -17,8 +17,8 @@ import openai
 import pytest
 import trio
 import trio.testing
-from http_harness import stub_parts
-from server_harness import live, make_engine
+from support.http_harness import stub_parts
+from support.server_harness import live, make_engine
 
 from nanoserve.bridge.clock import GateClock
 from nanoserve.config import EngineConfig

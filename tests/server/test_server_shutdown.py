@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from server_harness import keep_reading, read_until_ready
+from support.server_harness import keep_reading, read_until_ready
 
 SERVE = [sys.executable, "-m", "nanoserve.cli", "serve", "--model", "stub", "--port", "0",
          "--max-model-len", "4096", "--num-blocks", "1024", "--shutdown-grace", "0.5"]

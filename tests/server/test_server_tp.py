@@ -6,7 +6,7 @@ ends with an error frame and [DONE], /health turns 503, SIGTERM still exits 0; a
 process outlives the server (checked by PID). `trio.fail_after` bounds a hang and holds the
 bounds issue 26 sets (a silent rank seen and /health 503 within 10 s, SIGTERM then done
 within the grace plus 5 s); nothing here measures time beyond them. The tests of lost and
-failed ranks run a tiny random Llama (tests/tiny_llama.py): what they test is processes,
+failed ranks run a tiny random Llama (tests/support/tiny_llama.py): what they test is processes,
 and its ranks load at once.
 """
 
@@ -26,8 +26,8 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from server_harness import keep_reading, read_until_ready
-from tiny_llama import write_tiny_llama
+from support.server_harness import keep_reading, read_until_ready
+from support.tiny_llama import write_tiny_llama
 
 SERVE = [sys.executable, "-m", "nanoserve.cli", "serve", "--model", "smollm2", "--port", "0",
          "--tensor-parallel-size", "3", "--num-blocks", "256", "--max-model-len", "2048",

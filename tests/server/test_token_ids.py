@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from http_harness import serving, stub_parts
-from server_harness import make_app
+from support.http_harness import serving, stub_parts
+from support.server_harness import make_app
 
 from nanoserve.config import EngineConfig
 from nanoserve.llm import LLM

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from http_harness import serving, stub_parts
-from server_harness import make_app
+from support.http_harness import serving, stub_parts
+from support.server_harness import make_app
 from transformers import PreTrainedTokenizerFast
 
 from nanoserve.model.loader import resolve_model

@@ -15,8 +15,8 @@ import json
 from typing import Any
 
 import pytest
-from http_harness import serving
-from server_harness import GOOD, assert_error, assert_serving, make_app
+from support.http_harness import serving
+from support.server_harness import GOOD, assert_error, assert_serving, make_app
 
 CHAT = {"model": "stub", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 MAX_SEED = 2**63 - 1

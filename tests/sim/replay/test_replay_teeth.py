@@ -20,7 +20,7 @@ from nanoserve.engine.scheduler import Scheduler
 from nanoserve.server.render import Choice, Json, Shapes
 from sim.replay.run import replay
 
-TRACES = Path(__file__).resolve().parents[2] / "traces"
+TRACES = Path(__file__).resolve().parents[3] / "traces"
 
 
 def mismatches(*names: str) -> list[str]:

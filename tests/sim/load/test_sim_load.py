@@ -32,7 +32,7 @@ from sim.load.synthetic import (
 from sim.trace.format import load_trace, loads_trace
 from sim.trace.write import dumps_trace
 
-SHARED_TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
+SHARED_TRACES = Path(__file__).resolve().parents[4] / "shared" / "traces"
 CSV = """\
 TIMESTAMP,ContextTokens,GeneratedTokens
 2023-11-16 18:15:46.6805900,374,44

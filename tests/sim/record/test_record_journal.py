@@ -2,7 +2,7 @@
 their bytes, the file is written as the server runs (sim/trace/journal.py), and a recording
 that could not write something says so and exits 1.
 
-The stub cases run in-process on a real loopback socket (tests/sim/test_record.py's harness);
+The stub cases run in-process on a real loopback socket (tests/sim/record/test_record.py's harness);
 the must-show runs `nanoserve serve --record` as a process, 200 requests with 10 poisoned
 bodies among them, stopped halfway by SIGKILL and by SIGTERM: every request that had its
 answer before the stop is in the file, and `sim replay` replays the file clean.
@@ -23,7 +23,7 @@ import httpx
 import pytest
 import trio
 import trio.testing
-from server_harness import keep_reading, make_engine, read_until_ready
+from support.server_harness import keep_reading, make_engine, read_until_ready
 from test_record import Raw, recorded, replay_in_thread
 
 from nanoserve.bridge.clock import LiveClock

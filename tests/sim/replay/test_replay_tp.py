@@ -9,7 +9,7 @@ from typing import Any
 from nanoserve.model.parallel import LoadSpec, TensorParallelModel
 from sim.replay.run import replay
 
-TRACE = Path(__file__).parents[2] / "traces" / "n3.jsonl"
+TRACE = Path(__file__).parents[3] / "traces" / "n3.jsonl"
 
 
 def test_tp3_replays_give_one_digest_twice(tok: Any) -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 import trio
 import trio.testing
-from drain import drain, tokens
+from support.drain import drain, tokens
 
 from nanoserve.bridge import AsyncEngine
 from nanoserve.bridge.clock import VirtualClock

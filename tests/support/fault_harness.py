@@ -10,8 +10,6 @@ from typing import Any
 
 import trio
 import trio.testing
-from http_harness import AsgiHarness, serving, stub_parts
-from server_harness import GOOD, make_app, make_engine
 
 from nanoserve.bridge.clock import StepClock
 from nanoserve.config import EngineConfig
@@ -19,6 +17,8 @@ from nanoserve.engine.engine import Engine
 from nanoserve.engine.outputs import StepResult
 from nanoserve.server import server_state
 from sim.replay.faults import Fault, inject
+from support.http_harness import AsgiHarness, serving, stub_parts
+from support.server_harness import GOOD, make_app, make_engine
 
 C = "/v1/completions"
 STREAM = {**GOOD, "max_tokens": 10, "stream": True, "ignore_eos": True}

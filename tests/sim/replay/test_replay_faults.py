@@ -28,7 +28,7 @@ from sim.trace.format import (
 )
 from sim.trace.write import dumps_trace, write_trace
 
-TRACES = Path(__file__).resolve().parents[2] / "traces"
+TRACES = Path(__file__).resolve().parents[3] / "traces"
 HEADER = {"nanoserve_trace": 1, "clock": "step", "model": "stub",
           "engine": {"block_size": 16, "num_blocks": 128, "max_num_seqs": 8,
                      "max_num_batched_tokens": 256, "seed": 0}}

@@ -10,12 +10,12 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import trio
-from http_harness import AsgiHarness, hypercorn_on_loopback, stub_parts
 
 from nanoserve.bridge.clock import LiveClock, StepClock
 from nanoserve.config import EngineConfig
 from nanoserve.engine.engine import Engine
 from nanoserve.server import ServerConfig, counter_ids, create_app
+from support.http_harness import AsgiHarness, hypercorn_on_loopback, stub_parts
 
 CREATED = 1_700_000_000
 GOOD = {"model": "stub", "prompt": "def step(self):", "max_tokens": 4, "temperature": 0.0}

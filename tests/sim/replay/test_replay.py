@@ -25,7 +25,7 @@ from sim.trace.expect import diff_value
 from sim.trace.format import Expectation, load_trace
 from sim.trace.write import write_trace
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TRACES = sorted((ROOT / "traces").glob("*.jsonl"))
 SHARED = ROOT.parent / "shared" / "traces"
 

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from http_harness import hypercorn_on_loopback, serving, sse_events
-from server_harness import make_engine
+from support.http_harness import hypercorn_on_loopback, serving, sse_events
+from support.server_harness import make_engine
 
 from nanoserve.bridge import AsyncEngine
 from nanoserve.bridge.clock import Clock, GateClock, LiveClock
@@ -534,7 +534,7 @@ async def test_live_smollm2_traffic_replays_with_the_same_tokens(
 
 
 async def test_redacted_prompts_keep_their_token_counts(tmp_path: Path) -> None:
-    from http_harness import stub_parts
+    from support.http_harness import stub_parts
 
     tok = stub_parts()[1]
     path = tmp_path / "redacted.jsonl"
@@ -578,7 +578,7 @@ async def test_sigint_flushes_a_complete_trace(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from server_harness import keep_reading, read_until_ready
+    from support.server_harness import keep_reading, read_until_ready
 
     path = tmp_path / "served.jsonl"
     cmd = [sys.executable, "-m", "nanoserve.cli", "serve", "--model", "stub", "--port", "0",

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.tenants import tenants
 
 from nanoserve.config import EngineConfig
 from nanoserve.tokenizer import Tokenizer
@@ -21,7 +22,6 @@ from sim.cli import main
 from sim.load.spec import parse_load_spec
 from sim.load.workload import Workload, spec_workload
 from sim.stats import percentile_or_none
-from tests.tenants import tenants
 
 COST = CostModel((0.01, 1e-4, 5e-4, 2e-3, 2e-6, 1e-8, 0.0, 0.0), name="synthetic-test",
                  model="stub", machine={"cpu": "test"}, kv_bytes_per_token=46080)

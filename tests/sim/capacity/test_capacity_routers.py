@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from support.tenants import tenants
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.engine import Engine
@@ -20,7 +21,6 @@ from sim.capacity.plan import Plan, Planner
 from sim.capacity.routers import CacheAwareConfig, PrefixTree, Router
 from sim.cli import main
 from sim.load.workload import SimRequest
-from tests.tenants import tenants
 
 COST = CostModel((0.01, 1e-4, 5e-4, 2e-3, 2e-6, 1e-8, 0.0, 0.0), name="synthetic-test",
                  model="stub", machine={"cpu": "test"}, kv_bytes_per_token=46080)

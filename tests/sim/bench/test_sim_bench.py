@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 import trio
-from http_harness import stub_parts
-from server_harness import live, make_engine
+from support.http_harness import stub_parts
+from support.server_harness import live, make_engine
 
 from sim.bench import cli as bench_cli
 from sim.bench.client import BenchRequest, make_client, prepare_body, run_load, send_one
