@@ -16,12 +16,12 @@ the virtual clock (nanoserve.bridge.clock.VirtualClock), restated as a discrete-
   step that sent its k-th frame; a frame is an update with text or a finish (docs/ARCHITECTURE.md).
 
 With one replica this is the same sequence of steps as AsyncEngine + VirtualClock
-(tests/sim/capacity/test_capacity_fleet.py checks it), and with N it plans a fleet: a
-router places each arrival on a replica when it arrives, seeing every replica's load
-(requests routed to it and not finished) at that moment. The routers are sim/capacity/routers.py, shared with the
-measured fleet of `sim validate`. One difference from a real fleet: a step's updates are
-computed at its start, so a request that finishes in a step stops counting towards its
-replica's load from the step's start here, from its end in a fleet of bridges.
+(tests/sim/capacity/test_capacity_fleet.py checks it), and with N it plans a fleet: a router
+places each arrival on a replica when it arrives, seeing every replica's load (requests
+routed to it and not finished) at that moment. The routers are sim/capacity/routers.py,
+shared with the measured fleet of `sim validate`. One difference from a real fleet: a step's
+updates are computed at its start, so a request that finishes in a step stops counting
+towards its replica's load from the step's start here, from its end in a fleet of bridges.
 """
 
 from __future__ import annotations
