@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sim.stats import PERCENTILES, parse_duration, percentile
+from sim.stats import PERCENTILES, parse_slo_items, percentile
 
 SLO_KEYS = ("ttft", "tpot", "e2e")
 
@@ -79,22 +79,10 @@ def distribution_ms(values_s: Sequence[float]) -> dict[str, float] | None:
 
 
 def parse_slo(text: str) -> dict[str, float]:
-    """`ttft=2s,tpot=200ms` -> {"ttft": 2.0, "tpot": 0.2} (seconds). Each threshold needs
-    its unit: a bare 200 could be either, and a wrong guess would pass everything."""
-    out: dict[str, float] = {}
-    for item in text.split(","):
-        if not item.strip():
-            continue
-        key, eq, value = item.partition("=")
-        key = key.strip()
-        if not eq or key not in SLO_KEYS:
-            raise ValueError(f"--slo takes {'|'.join(SLO_KEYS)}=DURATION pairs, got {item!r}")
-        seconds = parse_duration(value)
-        if seconds is None:
-            raise ValueError(f"--slo {key}: a duration with its unit (2s, 200ms), got "
-                             f"{value!r}")
-        out[key] = seconds
-    return out
+    """`ttft=2s,tpot=200ms` -> {"ttft": 2.0, "tpot": 0.2} (seconds; sim/stats.py reads the
+    items)."""
+    return {metric: secs for metric, _, secs in parse_slo_items(text, SLO_KEYS,
+                                                                  percentile=False)}
 
 
 def meets_slo(r: RequestRecord, slo: Mapping[str, float]) -> bool:

@@ -20,13 +20,12 @@ what makes the two comparable):
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from sim.capacity.fleet import Record, Sample, SimResult
-from sim.stats import PERCENTILES, percentile_or_none
+from sim.stats import PERCENTILES, parse_slo_items, percentile_or_none
 
 LATENCIES = ("ttft", "tpot", "itl", "e2e")
 
@@ -50,23 +49,10 @@ class Slo:
         return True
 
 
-_SLO_ITEM = re.compile(r"^(ttft|tpot|itl|e2e)_p(\d+(?:\.\d+)?)=(\d+(?:\.\d+)?)(ms|s)$")
-
-
 def parse_slo(text: str) -> Slo:
-    """`ttft_p99=2s,tpot_p99=200ms` -> Slo."""
-    out = []
-    for item in text.split(","):
-        m = _SLO_ITEM.match(item.strip())
-        if m is None:
-            raise ValueError(f"--slo items look like ttft_p99=2s or tpot_p99=200ms, got "
-                             f"{item!r}")
-        p = float(m.group(2))
-        if not 0 < p <= 100:
-            raise ValueError(f"--slo percentile must be in (0, 100], got {item!r}")
-        secs = float(m.group(3)) / (1000 if m.group(4) == "ms" else 1)
-        out.append((m.group(1), p, secs))
-    return Slo(tuple(out))
+    """`ttft_p99=2s,tpot_p99=200ms` -> Slo (sim/stats.py reads the items)."""
+    return Slo(tuple((metric, p, secs) for metric, p, secs
+                     in parse_slo_items(text, LATENCIES, percentile=True) if p is not None))
 
 
 def _num(x: float) -> str:
