@@ -27,7 +27,7 @@ from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
 
-from nanoserve.bridge import AsyncEngine, BridgeStats
+from nanoserve.bridge import AsyncEngine, BridgeStats, EngineDeadError
 from nanoserve.bridge.clock import Clock
 from nanoserve.engine.engine import Engine
 from nanoserve.engine.outputs import StepResult
@@ -84,6 +84,7 @@ def create_app(
     # Outside everything else: a preflight needs no key and is no request of the API.
     app.asgi_app = CorsMiddleware(app.asgi_app, config.cors)  # type: ignore[method-assign]
     app.register_error_handler(ApiError, _api_error)
+    app.register_error_handler(EngineDeadError, _engine_dead)
     app.register_error_handler(HTTPException, _http_error)
     app.register_error_handler(Exception, _unexpected)
     generation.register(app)
@@ -292,6 +293,13 @@ class _Connection(TrioASGIHTTPConnection):
 
 async def _api_error(exc: ApiError) -> Response:
     return json_response(exc.body(), exc.status, exc.headers)
+
+
+async def _engine_dead(exc: EngineDeadError) -> Response:
+    # Wherever a route meets the stopped bridge (preparing a prompt, starting a job), the
+    # client reads the same 503.
+    err = ApiError(503, f"the engine is not running: {exc}", None, "engine_dead")
+    return json_response(err.body(), err.status)
 
 
 async def _http_error(exc: HTTPException) -> Response:

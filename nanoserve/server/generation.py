@@ -12,7 +12,6 @@ from collections.abc import Sequence
 
 from quart import Quart, Response, current_app, request
 
-from nanoserve.bridge import EngineDeadError
 from nanoserve.engine.admission import Prepared
 from nanoserve.sampling.params import ParamError
 from nanoserve.server import parse
@@ -46,8 +45,6 @@ def prepare_all(r: Ready, req: parse.GenerateRequest) -> list[Prepared]:
         return [r.bridge.prepare(p, req.params) for p in req.prompts]
     except ParamError as exc:
         raise from_param_error(exc) from None
-    except EngineDeadError as exc:
-        raise ApiError(503, f"the engine is not running: {exc}", None, "engine_dead") from None
 
 
 async def _generate(

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import trio
 
-from nanoserve.bridge import AsyncEngine, EngineDeadError, RequestStream
+from nanoserve.bridge import AsyncEngine, RequestStream
 from nanoserve.engine.admission import Prepared
 from nanoserve.engine.request import Update
 from nanoserve.sampling.params import ParamError
@@ -192,8 +192,6 @@ class Registry:
             job = Job(self, public_id, prepared, trio.current_time())
         except ParamError as exc:  # e.g. an engine request id already taken
             raise from_param_error(exc) from None
-        except EngineDeadError as exc:
-            raise ApiError(503, f"the engine is not running: {exc}", None, "engine_dead") from None
         self._jobs[public_id] = job
         self._empty = trio.Event() if self._empty.is_set() else self._empty
         job.start(nursery)
