@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import trio
 
 from nanoserve.engine.admission import Prepared
+from nanoserve.engine.outputs import empty_final
 from nanoserve.engine.request import FinishReason, Update
 from nanoserve.sampling.params import ParamError
 
@@ -90,11 +91,8 @@ class Ledger:
         """Write the final update of every completion of `entry` that has not ended."""
         for index in range(entry.prepared.params.n):
             if not entry.ended and index not in entry.done:
-                self.route(Update(
-                    entry.request_id, (), "", index=index, finished=True,
-                    finish_reason=reason.value, error=error,
-                    num_prompt_tokens=len(entry.prepared.prompt_ids),
-                ))
+                self.route(empty_final(entry.request_id, index, reason, error,
+                                       len(entry.prepared.prompt_ids)))
 
     def _close(self, entry: Entry) -> None:
         entry.ended = True

@@ -184,3 +184,12 @@ def final_update(req: Request, reason: FinishReason, new_tokens: tuple[int, ...]
         logprobs=tuple(req.logprobs[-len(new_tokens) :]) if new_tokens else (),
         prompt_logprobs=prompt_logprobs_update(req) if new_tokens else None,
     )
+
+
+def empty_final(request_id: str, index: int, reason: FinishReason, error: str | None,
+                num_prompt_tokens: int) -> Update:
+    """The last update of a completion that ends without a token of its own: one never
+    forked (its parent ended first), or one the bridge ends (aborted before admission, the
+    loop gone, shutdown)."""
+    return Update(request_id, (), "", index=index, finished=True, finish_reason=reason.value,
+                  error=error, num_prompt_tokens=num_prompt_tokens)

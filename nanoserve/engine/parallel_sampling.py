@@ -17,6 +17,7 @@ from collections.abc import Iterator, Mapping
 
 from nanoserve.engine.admission import detokenizer_for
 from nanoserve.engine.kv import BlockPool
+from nanoserve.engine.outputs import empty_final
 from nanoserve.engine.request import FinishReason, Request, Update
 from nanoserve.model.base import Model
 from nanoserve.sampling.params import SamplingParams
@@ -109,6 +110,5 @@ class ParentRequests:
 def unforked_finals(req: Request, reason: FinishReason, error: str | None) -> list[Update]:
     """The final updates of the completions `req` has not forked yet: they end with it,
     never having drawn a token."""
-    return [Update(req.group, (), "", index=i, finished=True, finish_reason=reason.value,
-                   error=error, num_prompt_tokens=req.num_prompt)
+    return [empty_final(req.group, i, reason, error, req.num_prompt)
             for i in range(1, req.pending_children + 1)]
