@@ -63,8 +63,9 @@ class ExchangeRecorder(Protocol):
 class Recorder(BridgeRecorder, Protocol):
     """Everything `create_app(recorder=...)` calls, besides the bridge's hook."""
 
-    # Something could not be recorded (the recorder logged what): `serve` then exits 1.
-    failed: bool
+    @property
+    def failed(self) -> bool:
+        """Something could not be recorded (the recorder logged what): `serve` exits 1."""
 
     def start(self, engine: Engine, bridge: AsyncEngine, config: ServerConfig) -> None:
         """The engine is ready (before the first request reaches it)."""

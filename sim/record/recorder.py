@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 from nanoserve.engine.request import Update
 from nanoserve.model.loader import resolve_model
+from sim.record.live import LiveJournal
 from sim.record.trace import (
     Completion,
     EngineRequest,
@@ -63,14 +64,10 @@ from sim.record.trace import (
 )
 from sim.record.wire import parse_wire
 from sim.trace.expect import EndOutcome, Outcome, RequestOutcome, expectation_lines
-from sim.trace.format import ClientSpec, Expectation, Trace, TraceHeader, TraceRequest
-from sim.trace.journal import AMEND, INCOMPLETE, ORDER, JournalWriter
+from sim.trace.format import Trace, TraceHeader, TraceRequest
+from sim.trace.journal import INCOMPLETE
 from sim.trace.write import (
-    client_object,
-    dumps_line,
-    expectation_object,
     header_object,
-    request_object,
     write_trace,
 )
 
@@ -78,7 +75,6 @@ if TYPE_CHECKING:
     from nanoserve.bridge import AsyncEngine
     from nanoserve.engine.engine import Engine
     from nanoserve.server.config import ServerConfig
-    from sim.record.redact import Redactor
 
 log = logging.getLogger("sim.record")
 
@@ -97,18 +93,21 @@ class TraceRecorder:
         self.redact = redact
         self.note = note
         self.trace: Trace | None = None  # set by close()
-        self.failed = False  # a request or the trace could not be recorded (logged)
-        self._journal: JournalWriter | None = JournalWriter(self.path)
+        self._failed = False  # the finished trace could not be written (logged)
         self._bridge: AsyncEngine | None = None
         self._engine_header: dict[str, Any] = {}
         self._model = ""
         self._tokenizer: Any = None
-        self._redactor: Redactor | None = None
         self._exchanges: list[Exchange] = []
         self._live: dict[str, EngineRequest] = {}  # engine id -> its record, latest first
         self._owner: dict[str, Exchange] = {}  # engine id -> its exchange, likewise
         self._arrivals = itertools.count()
-        self._written = itertools.count(1)
+        self._live_journal = LiveJournal(self.path, self._owner)  # creates the file
+
+    @property
+    def failed(self) -> bool:
+        """Something could not be recorded (logged with its request): serve exits 1."""
+        return self._failed or self._live_journal.failed
 
     # -- the server's side -----------------------------------------------------------------
 
@@ -120,12 +119,12 @@ class TraceRecorder:
         if self.redact:
             from sim.record.redact import Redactor
 
-            self._redactor = Redactor(engine.tokenizer)
+            self._live_journal.redactor = Redactor(engine.tokenizer)
         head = header_object(self._header(self.note or "recorded by nanoserve serve --record"))
         head[INCOMPLETE] = ("the recording has not finished (the server is running, or was "
                             "stopped before it wrote the whole trace); sim replay replays "
                             "what it holds")
-        self._append(head, "the header")
+        self._live_journal.header(head)
 
     def steps(self) -> int:
         """Steps run and delivered so far: the boundary an HTTP event falls before."""
@@ -147,14 +146,14 @@ class TraceRecorder:
             req = self._live.get(rid)
             if req is not None and req.abort_step is None:
                 req.abort_step = step
-                self._hung_up(self._owner[rid], step)
+                self._live_journal.hung_up(self._owner[rid], step)
         for rid in arrived:
             req = self._live.get(rid)
             if req is not None:
                 req.at_step, req.arrival = step, next(self._arrivals)
                 ex = self._owner[rid]
                 if ex.engine and ex.engine[0] is req:
-                    self._write_request(ex)
+                    self._live_journal.request(ex)
 
     def update(self, step: int, update: Update) -> None:
         req = self._live.get(update.request_id)
@@ -176,37 +175,13 @@ class TraceRecorder:
             self.finished(self._owner[update.request_id])
 
     def refused(self, ex: Exchange) -> None:
-        """A request answered without reaching the engine: its line is written as its status
-        goes out, so a client that has its answer finds it in the file."""
-        if ex.journal_id is None:
-            self._write_request(ex)
+        self._live_journal.refused(ex)
 
     def finished(self, ex: Exchange) -> None:
-        """Write the exchange's outcome once it has ended (journal.py: the amended client
-        and the expectation; for a request refused before the engine, its line too)."""
-        if not ex.ended() or ex.journal_id == "":
-            return
-        if not ex.engine and ex.journal_id is None:
-            self._write_request(ex)
-        if ex.journal_id is None:
-            return  # nothing a replay can repeat (order() says why)
-        jid, ex.journal_id = ex.journal_id, ""  # "": its outcome is written
-        try:
-            wire = parse_wire(ex.status, b"".join(c for _, c in ex.chunks),
-                              json_body(bytes(ex.body_bytes))[0].get("stream") is True)
-            req, got = request_line(jid, ex, wire)
-            if req.client != ClientSpec():
-                self._append({AMEND: jid, "client": client_object(req.client)}, jid, ex)
-            shut = ex.disconnect_step is None and req.client.hangup_at_step is not None
-            if not (self.redact or shut):
-                self._append(expectation_object(Expectation(jid, got.fields())), jid, ex)
-        except Exception as exc:  # a recorder bug: this request's outcome is lost, say so
-            self._lost(jid, ex, exc)
+        self._live_journal.finished(ex)
 
     def close(self, engine: Engine) -> None:
-        journal, self._journal = self._journal, None
-        if journal is not None:
-            journal.close()
+        self._live_journal.close()
         if self._bridge is None:  # the engine never started: nothing was recorded
             self.path.unlink(missing_ok=True)
             return
@@ -214,64 +189,12 @@ class TraceRecorder:
             self.trace = self.build(engine)
             write_trace(self.trace, self.path)  # a temporary file renamed over the journal
         except Exception:
-            self.failed = True
+            self._failed = True
             log.exception("could not write the finished trace to %s; it holds the "
                           "recording as it went (an unfinished trace, which sim replay "
                           "reads)", self.path)
             return
         log.info("recorded %d requests to %s", len(self.trace.requests), self.path)
-
-    # -- the journal -----------------------------------------------------------------------
-
-    def _write_request(self, ex: Exchange) -> None:
-        key = order(ex)
-        if key is None:
-            return
-        jid = ex.journal_id = f"r{next(self._written)}"
-        try:
-            at_step = ex.engine[0].at_step if ex.engine else ex.received_step
-            body, raw = json_body(bytes(ex.body_bytes))
-            req = TraceRequest(jid, ex.path, body, at_step=at_step, raw_body=raw)
-            if self._redactor is not None:
-                from sim.record.redact import redact_request
-
-                if (redacted := redact_request(self._redactor, req)) is None:
-                    ex.journal_id = ""  # not written: its outcome is not either
-                    return
-                req = redacted
-            self._append({**request_object(req), ORDER: list(key)}, jid, ex)
-        except Exception as exc:
-            self._lost(jid, ex, exc)
-
-    def _hung_up(self, ex: Exchange, step: int) -> None:
-        """A client's hang-up, as soon as the boundary applied it: a kill before the
-        exchange ends must not leave it replaying as a client that stayed."""
-        if ex.disconnect_step is None or ex.hangup_written or not ex.journal_id:
-            return
-        ex.hangup_written = True
-        self._append({AMEND: ex.journal_id,
-                      "client": client_object(ClientSpec(hangup_at_step=step))},
-                     ex.journal_id, ex)
-
-    def _append(self, obj: dict[str, Any], what: str, ex: Exchange | None = None) -> None:
-        if self._journal is None:
-            return
-        try:
-            self._journal.write(dumps_line(obj))
-        except Exception as exc:
-            self._lost(what, ex, exc)
-
-    def _lost(self, what: str, ex: Exchange | None, exc: BaseException) -> None:
-        self.failed = True
-        where = ""
-        if ex is not None:
-            ids = ", ".join(self._engine_ids(ex))
-            where = (f" ({ex.path}, request ids {ids})" if ids else
-                     f" ({ex.path}, answered {ex.status} at step {ex.received_step})")
-        log.error("could not record %s%s to %s: %r", what, where, self.path, exc)
-
-    def _engine_ids(self, ex: Exchange) -> list[str]:
-        return [rid for rid, owner in self._owner.items() if owner is ex]
 
     # -- the trace -------------------------------------------------------------------------
 
