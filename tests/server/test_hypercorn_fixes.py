@@ -97,7 +97,12 @@ async def check_still_serving(url: str, app: Any, engine: Engine, requests: int)
         await ready.registry.wait_empty()
         await ready.bridge.wait_idle()  # and its abort reach the engine
     s = engine.statistics()
-    assert s.finished + s.aborted == requests  # nothing lost
+    admitted = ready.bridge.statistics().admitted
+    # Nothing lost: every request the engine took ended. A stream whose connection went
+    # before its handler queued it never reached the engine (a loaded host makes that
+    # happen: 639 of 640 once), and that is no loss either.
+    assert 0 < admitted <= requests
+    assert s.finished + s.aborted == admitted
     assert s.aborted > 0  # the hang-ups came while responses were flowing
     assert (s.running, s.waiting, s.free_blocks) == (0, 0, s.num_blocks)
     await check_served_after(url, app, engine)
