@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-FIXTURE = Path(__file__).parent / "fixtures" / "reference_smollm2.json"
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "reference_smollm2.json"
 NEAR_TIE = 1e-3
 MAX_NEW_TOKENS = 32
 
