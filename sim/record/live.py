@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sim.record.trace import Exchange, json_body, order, request_line
+from sim.record.trace import Exchange, order, request_line
 from sim.record.wire import parse_wire
 from sim.trace.format import ClientSpec, Expectation, TraceRequest
 from sim.trace.journal import AMEND, ORDER, JournalWriter
@@ -65,7 +65,7 @@ class LiveJournal:
         jid, ex.journal_id = ex.journal_id, ""  # "": its outcome is written
         try:
             wire = parse_wire(ex.status, b"".join(c for _, c in ex.chunks),
-                              json_body(bytes(ex.body_bytes))[0].get("stream") is True)
+                              ex.parsed()[0].get("stream") is True)
             req, got = request_line(jid, ex, wire)
             if req.client != ClientSpec():
                 self._append({AMEND: jid, "client": client_object(req.client)}, jid, ex)
@@ -83,7 +83,7 @@ class LiveJournal:
         jid = ex.journal_id = f"r{next(self._written)}"
         try:
             at_step = ex.engine[0].at_step if ex.engine else ex.received_step
-            body, raw = json_body(bytes(ex.body_bytes))
+            body, raw = ex.parsed()
             req = TraceRequest(jid, ex.path, body, at_step=at_step, raw_body=raw)
             if self.redactor is not None:
                 from sim.record.redact import redact_request

@@ -58,7 +58,6 @@ from sim.record.trace import (
     Completion,
     EngineRequest,
     Exchange,
-    json_body,
     order,
     request_line,
 )
@@ -212,7 +211,7 @@ class TraceRecorder:
         outcomes: list[RequestOutcome] = []
         cut: set[str] = set()  # ended by the server's shutdown: no expectation line
         for i, (_, ex) in enumerate(kept, start=1):
-            stream = json_body(bytes(ex.body_bytes))[0].get("stream") is True
+            stream = ex.parsed()[0].get("stream") is True
             wire = parse_wire(ex.status, b"".join(c for _, c in ex.chunks), stream)
             req, got = request_line(f"r{i}", ex, wire)
             requests.append(req)

@@ -76,7 +76,7 @@ class Exchange:
     journal_id: str | None = None  # its id in the file, once a line about it is written
     hangup_written: bool = False
     _send_step: int = 0
-    _n: int | None = None
+    _parsed: tuple[dict[str, Any], bytes | None] | None = None
 
     def body(self, chunk: bytes) -> None:
         self.body_bytes += chunk
@@ -110,12 +110,17 @@ class Exchange:
         self.over = True
         self.recorder.finished(self)
 
+    def parsed(self) -> tuple[dict[str, Any], bytes | None]:
+        """json_body of the request body, parsed once: it is whole by the time anything
+        asks (the route queued its requests, or the status went out)."""
+        if self._parsed is None:
+            self._parsed = json_body(bytes(self.body_bytes))
+        return self._parsed
+
     def completions_per_prompt(self) -> int:
         """`n` of an accepted body (each engine request has that many completions)."""
-        if self._n is None:  # the body is whole once the route has queued its requests
-            n = json_body(bytes(self.body_bytes))[0].get("n")
-            self._n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
-        return self._n
+        n = self.parsed()[0].get("n")
+        return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
 
     def ended(self) -> bool:
         """Over, and every engine request has had the final update of every completion
@@ -151,7 +156,7 @@ def order(ex: Exchange) -> tuple[int, int, int] | None:
         return first.at_step, 0, first.arrival
     if ex.status is None or ex.status == 503:  # loading, draining, or a client gone early
         return None
-    if ex.status != 400 and json_body(bytes(ex.body_bytes))[1] is not None:
+    if ex.status != 400 and ex.parsed()[1] is not None:
         # A 408 or 413 cut the body short: its bytes are not what the client meant to send.
         log.warning("not recorded: %s answered %d to a body that is not a JSON object",
                     ex.path, ex.status)
@@ -197,7 +202,7 @@ def request_line(
     outcome = RequestOutcome(rid, ex.status, wire.error, tuple(choices),
                              min(firsts, default=None), max(lasts, default=None),
                              wire.frames, aborted, hangup)
-    body, raw = json_body(bytes(ex.body_bytes))
+    body, raw = ex.parsed()
     return TraceRequest(rid, ex.path, body, client, at_step=at_step, raw_body=raw), outcome
 
 
