@@ -236,3 +236,27 @@ def test_detokenize_false_refuses_stop_strings() -> None:
     with pytest.raises(ParamError) as info:
         SamplingParams(stop=["\n"], detokenize=False)
     assert info.value.field == "stop"
+
+
+def test_an_id_in_flight_is_refused_and_free_again_once_it_ends(stub_tokenizer: Tokenizer) -> None:
+    from nanoserve.sampling.params import ParamError
+
+    e = make(stub_tokenizer, block_size=4, num_blocks=64)
+    e.add_request(prompt(5), SamplingParams(temperature=0.0, max_tokens=2, n=2), "x")
+    with pytest.raises(ParamError, match="'x' is already in flight") as info:
+        e.add_request(prompt(5), GREEDY, "x")
+    assert info.value.field == "request_id"
+    run(e)
+    e.add_request(prompt(5), GREEDY, "x")  # ended: the id is free
+
+
+def test_endings_count_each_completion_once() -> None:
+    from nanoserve.engine.request import Endings, Update
+
+    ends = Endings(2)
+    assert not ends.note(Update("r", (7,), "a", index=1))  # not a final update
+    assert ends.note(Update("r", (), "", index=1, finished=True))
+    assert not ends.note(Update("r", (), "", index=1, finished=True))  # a second final: once
+    assert (1 in ends, 0 in ends, ends.open, ends.all) == (True, False, 1, False)
+    assert ends.note(Update("r", (), "", index=0, finished=True))
+    assert (ends.open, ends.all) == (0, True)

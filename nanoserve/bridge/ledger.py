@@ -12,13 +12,13 @@ import contextlib
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import trio
 
 from nanoserve.engine.admission import Prepared
 from nanoserve.engine.outputs import empty_final
-from nanoserve.engine.request import FinishReason, Update
+from nanoserve.engine.request import Endings, FinishReason, Update, check_unused
 from nanoserve.sampling.params import ParamError
 
 log = logging.getLogger("nanoserve.bridge")
@@ -32,9 +32,9 @@ class Entry:
     seq: int  # arrival number: the canonical order of admissions and aborts
     prepared: Prepared
     send: trio.MemorySendChannel[Update]
+    endings: Endings  # its completions' final updates routed so far
     admitted: bool = False
     ended: bool = False
-    done: set[int] = field(default_factory=set)  # completion indices that have ended
     errored: bool = False
 
 
@@ -55,15 +55,15 @@ class Ledger:
         elif not isinstance(request_id, str) or not request_id:
             raise ParamError("request_id", f"request_id must be a non-empty string, got "
                              f"{request_id!r}")
-        elif request_id in self.entries:
-            raise ParamError("request_id", f"request id {request_id!r} is already in flight")
+        else:
+            check_unused(request_id, self.entries)
         return request_id
 
     def accept(self, request_id: str, prepared: Prepared
                ) -> tuple[Entry, trio.MemoryReceiveChannel[Update]]:
         """A new entry, numbered in arrival order, and the receiving end of its channel."""
         send, recv = trio.open_memory_channel[Update](math.inf)
-        entry = Entry(request_id, self.arrivals, prepared, send)
+        entry = Entry(request_id, self.arrivals, prepared, send, Endings(prepared.params.n))
         self.arrivals += 1
         self.entries[request_id] = entry
         return entry, recv
@@ -75,22 +75,21 @@ class Ledger:
         """Hand `update` to its reader (never waiting for it); close the entry after the last
         completion's final update."""
         entry = self.entries.get(update.request_id)
-        if entry is None or update.index in entry.done:
+        if entry is None or update.index in entry.endings:
             log.warning("dropping an update for a request that has ended: %r", update)
             return
         self._record_update(update)
         with contextlib.suppress(trio.BrokenResourceError):  # the reader has gone
             entry.send.send_nowait(update)
-        if update.finished:
-            entry.done.add(update.index)
+        if entry.endings.note(update):
             entry.errored |= update.finish_reason == FinishReason.ERROR
-            if len(entry.done) >= entry.prepared.params.n:
+            if entry.endings.all:
                 self._close(entry)
 
     def end(self, entry: Entry, reason: FinishReason, error: str | None) -> None:
         """Write the final update of every completion of `entry` that has not ended."""
         for index in range(entry.prepared.params.n):
-            if not entry.ended and index not in entry.done:
+            if not entry.ended and index not in entry.endings:
                 self.route(empty_final(entry.request_id, index, reason, error,
                                        len(entry.prepared.prompt_ids)))
 

@@ -14,7 +14,7 @@ from types import TracebackType
 
 import trio
 
-from nanoserve.engine.request import Update
+from nanoserve.engine.request import Endings, Update
 
 
 class RequestStream:
@@ -36,13 +36,13 @@ class RequestStream:
         self.n = n
         self._abort = abort  # the bridge's abort_nowait
         self._recv = recv
-        self._done: set[int] = set()
+        self._endings = Endings(n)  # its completions' final updates read so far
         self._closed = False
         self._token = trio.lowlevel.current_trio_token()
 
     @property
     def finished(self) -> bool:
-        return len(self._done) >= self.n
+        return self._endings.all
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -55,8 +55,7 @@ class RequestStream:
         except BaseException:  # cancelled (or interrupted) while waiting: a stopped reader
             self.close()
             raise
-        if update.finished:
-            self._done.add(update.index)
+        self._endings.note(update)
         return update
 
     def close(self) -> None:

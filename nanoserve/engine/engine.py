@@ -14,7 +14,7 @@ from nanoserve.engine.admission import Prepared, check_request, first_completion
 from nanoserve.engine.kv import BlockPool, KVManager
 from nanoserve.engine.outputs import EngineStats, StepResult, final_update, token_update
 from nanoserve.engine.parallel_sampling import ParentRequests, share_prompt, unforked_finals
-from nanoserve.engine.request import FinishReason, Request, Status, Update
+from nanoserve.engine.request import FinishReason, Request, Status, Update, check_unused
 from nanoserve.engine.runner import ModelRunner
 from nanoserve.engine.scheduler import Schedule, Scheduler, SchedulerFactory
 from nanoserve.engine.stop import Ending, take_token
@@ -80,8 +80,7 @@ class Engine:
     def admit(self, prepared: Prepared, request_id: str | None = None) -> str:
         """Queue a prepared request. Only the engine's single writer calls this."""
         rid = request_id if request_id is not None else f"req-{self._admitted}"
-        if rid in self.parents:
-            raise ParamError("request_id", f"request id {rid!r} is already in flight")
+        check_unused(rid, self.parents)
         req = first_completion(prepared, rid, self._admitted, self.config.seed,
                                self.tokenizer)
         self._admitted += 1

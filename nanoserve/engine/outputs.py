@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from nanoserve.engine.request import FinishReason, Request, Update
+from nanoserve.engine.request import Endings, FinishReason, Request, Update
 from nanoserve.sampling.sampler import TokenLogprobs
 
 
@@ -99,7 +99,6 @@ class _Acc:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
-    finished: bool = False
 
 
 class OutputBuilder:
@@ -109,6 +108,7 @@ class OutputBuilder:
         self.request_id = request_id
         self.prompt_ids = tuple(prompt_ids)
         self._acc = [_Acc() for _ in range(n)]
+        self._endings = Endings(n)
         self.num_cached_tokens = 0
         self.prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
@@ -119,14 +119,13 @@ class OutputBuilder:
         a.logprobs.extend(u.logprobs)
         if u.prompt_logprobs is not None:  # every completion carries the same ones
             self.prompt_logprobs = u.prompt_logprobs
-        if u.finished:
-            a.finished = True
+        if self._endings.note(u):
             a.finish_reason, a.stop_reason, a.error = u.finish_reason, u.stop_reason, u.error
             self.num_cached_tokens = max(self.num_cached_tokens, u.num_cached_tokens)
 
     @property
     def finished(self) -> bool:
-        return all(a.finished for a in self._acc)
+        return self._endings.all
 
     def build(self) -> RequestOutput:
         outs = tuple(

@@ -76,7 +76,7 @@ class ParentRequests:
     def params(self) -> Mapping[str, SamplingParams]:
         return self._params
 
-    def __contains__(self, group: str) -> bool:
+    def __contains__(self, group: object) -> bool:
         return group in self._members
 
     def __bool__(self) -> bool:

@@ -8,13 +8,24 @@ scheduler can hand out, a whole prompt, a chunk of one, or the one token sampled
 from __future__ import annotations
 
 import enum
+from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from nanoserve.sampling.params import ParamError
 
 if TYPE_CHECKING:
     from nanoserve.engine.detokenizer import IncrementalDetokenizer
     from nanoserve.sampling.params import SamplingParams
     from nanoserve.sampling.sampler import TokenLogprobs
+
+
+def check_unused(request_id: str, in_flight: Container[str]) -> None:
+    """Raise the ParamError (field `request_id`) that refuses an id already in flight: the one
+    rule, asked by each holder of ids (the engine of its requests, the bridge of those it has
+    accepted and not yet admitted, the HTTP registry of its public ids)."""
+    if request_id in in_flight:
+        raise ParamError("request_id", f"request id {request_id!r} is already in flight")
 
 
 class Status(enum.Enum):
@@ -119,3 +130,41 @@ class Update:
     # The prompt's logprobs (first entry None), on the update carrying the first output
     # token, when params.prompt_logprobs asked for them; None on every other update.
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
+
+
+class Endings:
+    """Which of one request's n completions have had their final update: the one rule for
+    "this completion has ended" and "this request has ended".
+
+    Each reader of a request's updates holds one and asks it, at its own point along the
+    way: the bridge's ledger as it routes updates, the RequestStream as it reads them, the
+    HTTP job as its handler consumes them, the OutputBuilder as it folds them. They are not
+    one count shared, because an update reaches them at different times (the ledger has
+    routed a final update its reader has not read yet)."""
+
+    __slots__ = ("n", "_ended")
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self._ended: set[int] = set()
+
+    def note(self, update: Update) -> bool:
+        """Count `update`; True when it is the final update of a completion not ended before."""
+        if not update.finished or update.index in self._ended:
+            return False
+        self._ended.add(update.index)
+        return True
+
+    def __contains__(self, index: int) -> bool:
+        """Whether completion `index` has ended."""
+        return index in self._ended
+
+    @property
+    def all(self) -> bool:
+        """Whether every completion has ended (the request has)."""
+        return len(self._ended) >= self.n
+
+    @property
+    def open(self) -> int:
+        """How many completions have not ended."""
+        return self.n - len(self._ended)

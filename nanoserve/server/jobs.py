@@ -28,7 +28,7 @@ import trio
 
 from nanoserve.bridge import AsyncEngine, RequestStream
 from nanoserve.engine.admission import Prepared
-from nanoserve.engine.request import Update
+from nanoserve.engine.request import Endings, Update, check_unused
 from nanoserve.sampling.params import ParamError
 from nanoserve.server.errors import ApiError, from_param_error
 from nanoserve.server.metrics import Metrics
@@ -64,7 +64,7 @@ class Job:
         self._send, self._recv = trio.open_memory_channel[Item](math.inf)
         self._streams: list[RequestStream] = []
         self._scopes: list[trio.CancelScope] = []
-        self._open = len(prepared) * self.n  # completions that have not ended
+        self._endings = [Endings(self.n) for _ in prepared]  # per prompt, as consumed
         self._first_seen: set[int] = set()  # prompts whose first token has arrived
         self._last_token: dict[tuple[int, int], float] = {}
         self._reasons: list[str] = []
@@ -81,7 +81,7 @@ class Job:
 
     @property
     def done(self) -> bool:
-        return self._open == 0
+        return all(e.all for e in self._endings)
 
     @property
     def request_ids(self) -> list[str]:
@@ -122,8 +122,7 @@ class Job:
             if last is not None:
                 self._metrics.inter_token(now - last)
             self._last_token[(k, u.index)] = now
-        if u.finished:
-            self._open -= 1
+        if self._endings[k].note(u):
             self._reasons.append(u.finish_reason or "unknown")
         return item
 
@@ -143,7 +142,7 @@ class Job:
         for scope in self._scopes:
             scope.cancel()
         self._recv.close()
-        aborted = self._open
+        aborted = sum(e.open for e in self._endings)
         if self._scopes:  # it started: count it (a job whose admission failed never ran)
             self._metrics.finished(self._reasons + ["abort"] * aborted,
                                    self.num_prompt_tokens, trio.current_time() - self._arrival)
@@ -174,9 +173,10 @@ class Registry:
         """Admit one HTTP request's prompts, or raise the ApiError that refuses it."""
         if self.draining:
             raise ApiError(503, "the server is shutting down", None, "shutting_down")
-        if public_id in self._jobs:
-            raise ApiError(400, f"request id {public_id!r} is already in flight",
-                           "X-Request-Id", "duplicate_request_id")
+        try:
+            check_unused(public_id, self._jobs)
+        except ParamError as exc:  # the header is the field at this layer
+            raise ApiError(400, exc.message, "X-Request-Id", "duplicate_request_id") from None
         if self.max_queue is not None:
             s = self.bridge.statistics()
             # Waiting = arrivals not yet taken at a boundary + the scheduler's waiting queue.
