@@ -1,6 +1,7 @@
 """bridge: between Trio and the engine, many request tasks and one engine.
 
-    async_engine  AsyncEngine: the inbox, the loop task that is the engine's only writer
+    async_engine  AsyncEngine: what callers call (stream, generate, abort, statistics)
+    loop      EngineLoop: the loop task, the engine's only writer, and its step boundaries
     ledger    every accepted request until its last final update; the per-request channels
     types     BridgeStats, EngineDeadError, the recorder hook (BridgeRecorder)
     stream    RequestStream: one request's updates, and its reader's hang-up as an abort
