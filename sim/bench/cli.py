@@ -41,7 +41,8 @@ from sim.files import atomic_write_text
 from sim.load.azure import PromptSynth
 from sim.load.spec import load_spec_from_pairs, split_load_spec
 from sim.load.synthetic import generate_load
-from sim.trace.format import Trace, load_trace
+from sim.trace.format import Trace
+from sim.trace.loader import load_trace
 
 RESULT_VERSION = 1
 # Flags laid over --load, as in `sim load`; DEFAULTS fill what neither gives.

@@ -35,7 +35,8 @@ from sim.load.spec import (
     load_spec_from_pairs,
     parse_load_spec,
 )
-from sim.trace.format import ClientSpec, Trace, TraceHeader, TraceRequest, load_trace
+from sim.trace.format import ClientSpec, Trace, TraceHeader, TraceRequest
+from sim.trace.loader import load_trace
 
 __all__ = [
     "Lengths", "LoadSpec", "SpecError", "arrival_times", "format_load_spec", "generate_load",

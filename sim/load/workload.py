@@ -32,7 +32,7 @@ from nanoserve.server.protocol import protocol
 from nanoserve.tokenizer import Tokenizer
 from sim.load.spec import LoadSpec, SpecError, format_load_spec
 from sim.load.synthetic import arrival_times, draw_shapes
-from sim.trace.format import load_trace
+from sim.trace.loader import load_trace
 
 # Token ids a synthetic prompt draws from: above the special and byte tokens of a BPE vocab.
 _FIRST_ORDINARY_ID = 1000

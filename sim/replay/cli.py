@@ -20,7 +20,7 @@ from nanoserve import flags
 from nanoserve.model.base import ModelStartError
 from sim.files import atomic_open
 from sim.replay.run import ReplayError, ReplayResult, replay
-from sim.trace.format import TraceError, load_trace
+from sim.trace.loader import TraceError, load_trace
 from sim.trace.write import write_trace
 
 

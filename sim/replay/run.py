@@ -61,7 +61,8 @@ from sim.replay.setup import (
 )
 from sim.replay.setup import resolve_weights as resolve_weights
 from sim.trace.expect import Outcome, compare, diff_value, expectation_lines
-from sim.trace.format import ClientSpec, Expectation, Trace, load_trace
+from sim.trace.format import ClientSpec, Expectation, Trace
+from sim.trace.loader import load_trace
 
 __all__ = ["ReplayError", "ReplayResult", "replay", "resolve_weights", "twin_trace"]
 

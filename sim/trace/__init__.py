@@ -1,2 +1,3 @@
-"""Traces: the JSONL format (format.py), its schema checks (check.py), and what a replay must
-reproduce (expect.py)."""
+"""Traces: the JSONL format and its records (format.py), the strict loader (loader.py), its
+schema checks (check.py), the writer (write.py), an unfinished recording's journal
+(journal.py), and what a replay must reproduce (expect.py)."""

@@ -1,6 +1,6 @@
 """Field checks for trace format v1: each raises `FieldError` naming the (dotted) field.
 
-`sim.trace.format` adds the line number. The checks live apart from the records so that the CLI can
+`sim.trace.loader` adds the line number. The checks live apart from the records so that the CLI can
 validate `--engine key=value` settings with the very rules the loader applies to a header.
 """
 

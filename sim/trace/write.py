@@ -1,4 +1,4 @@
-"""Writing a trace: the inverse of `load_trace` (format.py).
+"""Writing a trace: the inverse of `load_trace` (loader.py).
 
 The writer emits one JSON object per line with known keys in the format's order, then any
 unknown keys in the order they were read ("implementations may add fields"), and leaves

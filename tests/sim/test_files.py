@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from sim.files import atomic_open, atomic_path
-from sim.trace.format import Trace, TraceHeader, TraceRequest, loads_trace
+from sim.trace.format import Trace, TraceHeader, TraceRequest
+from sim.trace.loader import loads_trace
 from sim.trace.write import dumps_trace, write_trace
 
 ENGINE = {"block_size": 16, "num_blocks": 8, "max_num_seqs": 4, "max_num_batched_tokens": 64,

@@ -29,7 +29,7 @@ from sim.load.synthetic import (
     scale_arrivals,
     unit_arrivals,
 )
-from sim.trace.format import load_trace, loads_trace
+from sim.trace.loader import load_trace, loads_trace
 from sim.trace.write import dumps_trace
 
 SHARED_TRACES = Path(__file__).resolve().parents[4] / "shared" / "traces"

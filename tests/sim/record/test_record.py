@@ -30,7 +30,8 @@ from nanoserve.engine.engine import Engine
 from nanoserve.server import ServerConfig, counter_ids, create_app, server_state
 from sim.record.recorder import TraceRecorder, model_sha256
 from sim.record.trace import frames_by_step
-from sim.trace.format import FramesByStep, Trace, load_trace
+from sim.trace.format import FramesByStep, Trace
+from sim.trace.loader import load_trace
 
 PROMPT = "def step(self):"
 
@@ -611,7 +612,7 @@ async def test_sigint_flushes_a_complete_trace(tmp_path: Path) -> None:
 
 
 def test_the_loader_checks_a_recorded_reading_pattern() -> None:
-    from sim.trace.format import TraceError, loads_trace
+    from sim.trace.loader import TraceError, loads_trace
     from sim.trace.write import dumps_trace
 
     head = ('{"nanoserve_trace": 1, "clock": "step", "model": "stub", "engine": {"block_size":'

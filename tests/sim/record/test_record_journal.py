@@ -27,8 +27,8 @@ from support.server_harness import keep_reading, make_engine, read_until_ready
 from test_record import Raw, recorded, replay_in_thread
 
 from nanoserve.bridge.clock import LiveClock
-from sim.trace.format import TraceError, load_trace
 from sim.trace.journal import INCOMPLETE
+from sim.trace.loader import TraceError, load_trace
 from sim.trace.write import dumps_trace
 
 GOOD = {"model": "stub", "prompt": "def step(self):", "max_tokens": 4}

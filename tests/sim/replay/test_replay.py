@@ -22,7 +22,8 @@ from nanoserve.tokenizer import Tokenizer
 from sim import cli
 from sim.replay.run import ReplayError, replay, twin_trace
 from sim.trace.expect import diff_value
-from sim.trace.format import Expectation, load_trace
+from sim.trace.format import Expectation
+from sim.trace.loader import load_trace
 from sim.trace.write import write_trace
 
 ROOT = Path(__file__).resolve().parents[3]

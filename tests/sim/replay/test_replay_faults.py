@@ -20,12 +20,8 @@ import pytest
 from nanoserve.bridge import AsyncEngine
 from sim import cli
 from sim.replay.run import replay
-from sim.trace.format import (
-    Expectation,
-    TraceError,
-    load_trace,
-    loads_trace,
-)
+from sim.trace.format import Expectation
+from sim.trace.loader import TraceError, load_trace, loads_trace
 from sim.trace.write import dumps_trace, write_trace
 
 TRACES = Path(__file__).resolve().parents[3] / "traces"

@@ -14,12 +14,10 @@ from sim.trace.format import (
     EverySteps,
     Expectation,
     Trace,
-    TraceError,
     TraceHeader,
     TraceRequest,
-    load_trace,
-    loads_trace,
 )
+from sim.trace.loader import TraceError, load_trace, loads_trace
 from sim.trace.write import dumps_trace, write_trace
 
 ENGINE = {"block_size": 16, "num_blocks": 128, "max_num_seqs": 8, "max_num_batched_tokens": 256,
