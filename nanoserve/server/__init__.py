@@ -7,6 +7,8 @@
     admin.py     GET /health, /v1/models, /metrics; POST /tokenize, /detokenize
     openapi.py   GET /openapi.json: the OpenAPI 3.1 document of these routes
     protocol.py  the request bodies as pydantic models: validation and /openapi.json
+    generation_models.py  the generation routes' bodies (the sampling fields, each route's)
+    body_types.py  what the bodies are built from: lax scalars, ranges, Message, Bounds
     parse.py     request bodies -> SamplingParams and prompts (400s naming the field)
     respond.py   a job -> a unary JSON body or an SSE stream; status before the first byte
     render.py    response shapes: choices, chunks, logprobs, usage

@@ -22,9 +22,10 @@ from pydantic import BaseModel
 
 from nanoserve.sampling.grammar import GuidedSpec
 from nanoserve.sampling.params import ParamError, SamplingParams
+from nanoserve.server.body_types import Message
 from nanoserve.server.errors import ApiError, bad_request, from_param_error
 from nanoserve.server.nesting import MAX_DEPTH, deep_field, too_deep
-from nanoserve.server.protocol import Message, Protocol, validate
+from nanoserve.server.protocol import Protocol, validate
 from nanoserve.tokenizer import Tokenizer
 
 Prompt = str | list[int]
