@@ -1,8 +1,8 @@
 """The replay driver: one trace through the real app, in process, one step boundary at a time.
 
 The app is nanoserve's own Quart-Trio app (`create_app`), called through its ASGI callable;
-its engine loop runs on a `ReplayClock`, which takes a step boundary only when the driver
-opens one. Each boundary goes:
+its engine loop runs on a `ReplayClock` (clock.py), which takes a step boundary only when the
+driver opens one. Each boundary goes:
 
 1. `wait_all_tasks_blocked()`: every task has reacted to the last step (frames sent,
    handlers waiting on their next update, hang-ups turned into aborts);
@@ -28,7 +28,6 @@ listener, text and statuses from the wire (`sim.trace.expect` says which field c
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
@@ -37,11 +36,11 @@ import trio
 import trio.testing
 
 from nanoserve.bridge import AsyncEngine
-from nanoserve.bridge.clock import Step
 from nanoserve.engine.outputs import StepResult
 from nanoserve.server import ServerConfig, create_app, server_state
 from sim.http.asgi_client import AsgiClient, serve_in_process
 from sim.replay.clients import Client
+from sim.replay.clock import ReplayClock
 from sim.replay.faults import inject, kills_loop, parse_faults, quiet_injected
 from sim.replay.setup import CostFn, Weights, engine_config
 from sim.trace.expect import ChoiceOutcome, EndOutcome, Outcome, RequestOutcome
@@ -49,47 +48,6 @@ from sim.trace.format import Trace
 
 MAX_STEPS = 1_000_000  # a replay that runs this long is stuck, not slow
 _ENGINE_ID = re.compile(r"(?:chat)?cmpl-(\d+)(?:-(\d+))?")
-
-
-class ReplayClock:
-    """The bridge's clock in a replay: one boundary per `open_boundary()`; with a cost model
-    the step then lasts `cost(result)` virtual seconds."""
-
-    def __init__(self, cost: CostFn | None) -> None:
-        self._cost = cost
-        self._tickets = trio.Semaphore(0)
-        self._over = trio.Event()
-        self.stepping = False
-
-    @property
-    def tickets(self) -> int:
-        return self._tickets.value
-
-    def open_boundary(self) -> None:
-        self._tickets.release()
-
-    async def wait_turn(self) -> None:
-        await self._tickets.acquire()
-
-    async def run_step(self, step: Step) -> StepResult:
-        self.stepping, self._over = True, trio.Event()
-        try:
-            result = step()
-            if self._cost is not None:
-                seconds = self._cost(result)
-                if not (isinstance(seconds, int | float) and math.isfinite(seconds)
-                        and seconds >= 0):
-                    raise ValueError(f"step cost must be finite seconds >= 0, got {seconds!r}")
-                with trio.CancelScope(shield=True):  # the step happened: deliver it
-                    await trio.sleep(seconds)
-            return result
-        finally:
-            self.stepping = False
-            self._over.set()
-
-    async def step_over(self) -> None:
-        if self.stepping:
-            await self._over.wait()
 
 
 @dataclass(slots=True)
