@@ -1,6 +1,7 @@
 """HTTP serving: the OpenAI-compatible API (with vLLM's extensions) on Quart-Trio.
 
-    app.py       create_app(): the app around one engine; auth, errors, the engine task
+    app.py       create_app(): the app around one engine; auth, errors
+    lifespan.py  the engine task: started with the app, the weights loaded, stopped with it
     config.py    ServerConfig: the settings serve's flags decide; state.py: the app's state
     recording.py the `serve --record` hook (the recorder comes from an entry point)
     generation.py  POST /v1/completions, POST /v1/chat/completions
