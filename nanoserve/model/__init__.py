@@ -36,6 +36,7 @@ def load(
     tp_exact: bool = False,
     distributed_timeout: float | None = None,
     distributed_heartbeat_timeout: float | None = None,
+    int8_activations: bool = False,
 ) -> tuple[Model, Tokenizer]:
     """`smollm2` (the embedded model), `stub`, or a path to a Hugging Face Llama folder or a
     GGUF file. The stub uses SmolLM2's tokenizer, so its text behaves like the real model's.
@@ -46,11 +47,16 @@ def load(
     the shards' partial outputs in rank order instead of by all-reduce (bitwise reproducible
     against `parallel.emulate`). `distributed_timeout`: seconds the ranks may take to start
     (and the process group's timeout); `distributed_heartbeat_timeout`: seconds of silence
-    after which a rank is taken as lost (None: parallel/group.py's defaults, 600 and 5)."""
+    after which a rank is taken as lost (None: parallel/group.py's defaults, 600 and 5).
+    `int8_activations` (model/int8.py): the layers' projections of 128 rows or more round
+    their activations to 8 bits, faster and no longer token-identical (CPU, one process)."""
     from nanoserve.model.loader import resolve_model
     from nanoserve.model.weights import check_choices, llama_weights, torch_dtype
 
     check_choices(dtype, quantization)
+    if int8_activations and (name == "stub" or tensor_parallel_size != 1 or device != "cpu"):
+        raise ValueError("int8_activations: runs on real weights on the CPU, in one process "
+                         "(not with the stub, tensor parallelism or another device)")
     if name == "stub":
         from nanoserve.model.stub import StubModel
 
@@ -74,7 +80,12 @@ def load(
 
     config, weights = llama_weights(name, device=device, dtype=dtype,
                                     quantization=quantization)
-    return LlamaModel(config, weights, device=device, dtype=torch_dtype(dtype)), tok
+    model = LlamaModel(config, weights, device=device, dtype=torch_dtype(dtype))
+    if int8_activations:
+        from nanoserve.model.int8 import CALIBRATION_TEXT, attach, int8_projections
+
+        attach(model, int8_projections(model.layers), tok.encode(CALIBRATION_TEXT))
+    return model, tok
 
 
 def kv_geometry(name: str, dtype: str = "float32", tensor_parallel_size: int = 1

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from nanoserve.model.int8 import INT8_FROM_ROWS, Int8Weight
+
 
 def _t(w: torch.Tensor) -> torch.Tensor:
     """[out, in] -> [in, out], contiguous."""
@@ -29,17 +31,24 @@ def mkl_packing_available() -> bool:
 class Proj:
     """One projection. The plain form keeps the weight transposed, [in, out] and contiguous:
     `x @ W` beats `F.linear(x, W)` by 20-40% at decode batch sizes on this CPU (the same at
-    prefill sizes). The packed form is a second copy of the weight: memory for speed."""
+    prefill sizes). The packed form is a second copy of the weight: memory for speed.
+    `int8` (model/int8.py, opt-in) takes over from INT8_FROM_ROWS rows."""
 
-    __slots__ = ("weight", "packed")
+    __slots__ = ("weight", "packed", "int8")
 
     def __init__(self, weight: torch.Tensor, *, pack: bool) -> None:  # weight: [out, in]
         self.weight = _t(weight)  # [in, out]
         self.packed = (
             torch.ops.mkl._mkl_reorder_linear_weight(weight.contiguous(), 64) if pack else None
         )
+        self.int8: Int8Weight | None = None
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.weight.t()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8 is not None and x.shape[0] >= INT8_FROM_ROWS:
+            return self.int8(x)
         if self.packed is None or x.shape[0] < 2:  # one row: MKL's gemv, no packing
             return x @ self.weight
         # (The [out, in] weight argument is what the op would fall back to; a view will do.)

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from nanoserve.model import native
+from nanoserve.model.int8 import INT8_FROM_ROWS, Int8Weight
 from nanoserve.model.native import Kernels
 
 # Bytes of one block of 32 weights, by format.
@@ -135,9 +136,10 @@ class QuantProj:
     """A projection x [T, in] -> [T, out] over a quantized weight [out, in]: nanoserve's
     kernel (weights dequantized in registers, or a few rows at a time into L1) below
     DENSE_FROM_ROWS rows, the whole weight dequantized into `scratch` for MKL's sgemm from
-    there. Either way the weights are the same values; only the order of additions differs."""
+    there. Either way the weights are the same values; only the order of additions differs.
+    `int8` (model/int8.py, opt-in) takes over from INT8_FROM_ROWS rows."""
 
-    __slots__ = ("weight", "scratch", "ops", "dense_from")
+    __slots__ = ("weight", "scratch", "ops", "dense_from", "kernels", "int8")
 
     def __init__(self, weight: QuantWeight, scratch: Scratch | None = None,
                  kernels: Kernels | None = None) -> None:
@@ -146,9 +148,16 @@ class QuantProj:
         k = _kernels(kernels)
         self.ops = k.ops  # the instruction set's kernels it runs on
         self.dense_from = dense_from_rows(k.isa)
+        self.kernels = k
+        self.int8: Int8Weight | None = None
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.weight.dequantize(self.kernels)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
+        if self.int8 is not None and x.shape[0] >= INT8_FROM_ROWS:
+            return self.int8(x)
         if x.stride(-1) != 1:
             x = x.contiguous()
         if x.shape[0] >= self.dense_from:
