@@ -30,13 +30,16 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from nanoserve import flags
 from nanoserve.config import EngineConfig
 from nanoserve.engine.engine import Engine
+from nanoserve.model.base import Model
 from nanoserve.model.quant import CHOICES
 from nanoserve.model.stub import StubModel
+from nanoserve.tokenizer import Tokenizer
 from sim.capacity.calibrate import geometric_mean, machine_speed, scaled, steal_seconds
 from sim.capacity.cost import CostModel, load_cost_model
 from sim.capacity.fleet import SimResult, simulate
@@ -149,60 +152,81 @@ def run_validate(a: argparse.Namespace) -> int:
     sim = simulated(workload, cost, tok, config, a.replicas, a.router)
     predicted = flat(summarize(sim, warmup=a.warmup, slo=None,
                                num_blocks=config.num_blocks or 1, replicas=a.replicas))
-    runs: list[dict[str, Any]] = []
-    contentions: list[float] = []
-    steals: list[float | None] = []
-    placed: list[float] = []
-    # The machine's speed against the cost model's before each run and after the last
-    # (sim/capacity/calibrate.py): what tells the host's drift apart from the model's error.
-    speeds = [machine_speed(model, tok, cost)]
-    for k in range(a.runs):
-        steal0, t0 = steal_seconds(), time.perf_counter()
-        label = None if a.quiet else f"sim validate: run {k + 1}/{a.runs}"
-        engines = [Engine(m, tok, config) for m in models]
-        router = Router(a.router, a.replicas, config.block_size)
-        result, contention = measure(workload, engines, router, label)
-        steal1, wall = steal_seconds(), time.perf_counter() - t0
-        steals.append(None if steal0 is None or steal1 is None else (steal1 - steal0) / wall)
-        contentions.append(contention)
-        placed.append(agreement(sim, result))
-        speeds.append(machine_speed(model, tok, cost))
-        runs.append(flat(summarize(result, warmup=a.warmup, slo=None,
-                                   num_blocks=config.num_blocks or 1, replicas=a.replicas)))
-        print(f"run {k + 1}/{a.runs}: {runs[-1]['output_token_throughput']:.1f} tok/s, "
-              f"ttft p50 {runs[-1]['ttft_p50']}, tpot p50 {runs[-1]['tpot_p50']}, "
-              f"steps took {contention:.2f}x their CPU time, machine speed "
-              f"x{speeds[-2]:.3f} before, x{speeds[-1]:.3f} after"
-              + (f", {placed[-1]:.0%} placed as simulated" if a.replicas > 1 else ""),
-              file=sys.stderr, flush=True)
-        if contention > DISTURBED_WAIT or (steals[-1] or 0.0) > DISTURBED_STEAL:
-            print(f"run {k + 1}: disturbed: the steps waited {contention - 1:.0%} beyond their "
-                  f"CPU time, the host stole {steals[-1] or 0.0:.0%} of a CPU; its wall-clock "
-                  "figures say as much about the host as about the model", file=sys.stderr,
-                  flush=True)
-    speed = geometric_mean(speeds)
+    measured = _measure_runs(a, workload, models, tok, cost, config, sim)
+    speed = geometric_mean(measured.speeds)
     now = scaled(cost, speed)
-    rows = compare(predicted, runs)
+    rows = compare(predicted, measured.runs)
     rows_now = compare(flat(predict(workload, now, tok, config, a.warmup, a.replicas,
-                                    a.router)), runs)
-    known = [s for s in steals if s is not None]
+                                    a.router)), measured.runs)
+    known = [s for s in measured.steal if s is not None]
     fleet = f"{a.replicas} replicas, router {a.router}; " if a.replicas > 1 else ""
     print(f"load {workload.source} on {a.model}; {fleet}cost model {cost.name}; {a.runs} runs; "
-          f"steps took {statistics.fmean(contentions):.2f}x their CPU time (1 = idle cores)"
+          f"steps took {statistics.fmean(measured.contention):.2f}x their CPU time (1 = idle cores)"
           + (f"; host steal {statistics.fmean(known):.0%} of a CPU" if known else ""))
     if a.replicas > 1:
-        print("placed on the simulator's replica: " + " ".join(f"{p:.0%}" for p in placed))
-    _print_table(rows, rows_now, speed, speeds)
+        print("placed on the simulator's replica: " + " ".join(f"{p:.0%}" for p in measured.placed))
+    _print_table(rows, rows_now, speed, measured.speeds)
     if a.out:
         atomic_write_text(a.out, json.dumps({"load": workload.source, "model": a.model,
                                            "replicas": a.replicas, "router": a.router,
                                            "cost_model": cost.name, "predicted": predicted,
-                                           "runs": runs, "contention": contentions,
-                                           "steal": steals, "machine_speed": speeds,
-                                           "placement_agreement": placed,
+                                           "runs": measured.runs,
+                                           "contention": measured.contention,
+                                           "steal": measured.steal,
+                                           "machine_speed": measured.speeds,
+                                           "placement_agreement": measured.placed,
                                            "compare": rows, "compare_at_speed": rows_now},
                                           indent=1) + "\n")
     return 0
+
+
+@dataclass(slots=True)
+class _Measured:
+    """The measured runs' figures, one entry per run in each list; `speeds` has one more, the
+    machine's speed taken before the first run."""
+
+    runs: list[dict[str, Any]] = field(default_factory=list)  # each run's flat summary
+    contention: list[float] = field(default_factory=list)
+    steal: list[float | None] = field(default_factory=list)
+    placed: list[float] = field(default_factory=list)
+    speeds: list[float] = field(default_factory=list)
+
+
+def _measure_runs(a: argparse.Namespace, workload: Workload, models: Sequence[Model],
+                  tok: Tokenizer, cost: CostModel, config: EngineConfig,
+                  sim: SimResult) -> _Measured:
+    """`a.runs` wall-clock runs of `workload` on fresh engines over `models`, each told on
+    stderr as it ends (and flagged if the host was busy); `sim` is the simulated run whose
+    placements each run is held against."""
+    m = _Measured()
+    # The machine's speed against the cost model's before each run and after the last
+    # (sim/capacity/calibrate.py): what tells the host's drift apart from the model's error.
+    m.speeds.append(machine_speed(models[0], tok, cost))
+    for k in range(a.runs):
+        steal0, t0 = steal_seconds(), time.perf_counter()
+        label = None if a.quiet else f"sim validate: run {k + 1}/{a.runs}"
+        engines = [Engine(model, tok, config) for model in models]
+        router = Router(a.router, a.replicas, config.block_size)
+        result, contention = measure(workload, engines, router, label)
+        steal1, wall = steal_seconds(), time.perf_counter() - t0
+        m.steal.append(None if steal0 is None or steal1 is None else (steal1 - steal0) / wall)
+        m.contention.append(contention)
+        m.placed.append(agreement(sim, result))
+        m.speeds.append(machine_speed(models[0], tok, cost))
+        m.runs.append(flat(summarize(result, warmup=a.warmup, slo=None,
+                                     num_blocks=config.num_blocks or 1, replicas=a.replicas)))
+        print(f"run {k + 1}/{a.runs}: {m.runs[-1]['output_token_throughput']:.1f} tok/s, "
+              f"ttft p50 {m.runs[-1]['ttft_p50']}, tpot p50 {m.runs[-1]['tpot_p50']}, "
+              f"steps took {contention:.2f}x their CPU time, machine speed "
+              f"x{m.speeds[-2]:.3f} before, x{m.speeds[-1]:.3f} after"
+              + (f", {m.placed[-1]:.0%} placed as simulated" if a.replicas > 1 else ""),
+              file=sys.stderr, flush=True)
+        if contention > DISTURBED_WAIT or (m.steal[-1] or 0.0) > DISTURBED_STEAL:
+            print(f"run {k + 1}: disturbed: the steps waited {contention - 1:.0%} beyond their "
+                  f"CPU time, the host stole {m.steal[-1] or 0.0:.0%} of a CPU; its wall-clock "
+                  "figures say as much about the host as about the model", file=sys.stderr,
+                  flush=True)
+    return m
 
 
 def _print_table(rows: list[dict[str, Any]], rows_now: list[dict[str, Any]], speed: float,
