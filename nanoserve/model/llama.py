@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -26,19 +25,15 @@ from nanoserve.model.attention import (
     plan_attention,
 )
 from nanoserve.model.base import ForwardBatch, ModelConfig
-from nanoserve.model.linear import Proj, mkl_packing_available
+from nanoserve.model.linear import mkl_packing_available
 from nanoserve.model.loader import load_model_config
-from nanoserve.model.quant import QuantProj, QuantWeight, Scratch
-
-
-@dataclass(slots=True)
-class _Layer:
-    attn_norm: torch.Tensor  # [hidden]
-    qkv: Proj | QuantProj  # hidden -> (H + 2 KV) * D: q, k and v projections fused
-    o: Proj | QuantProj  # H * D -> hidden
-    mlp_norm: torch.Tensor  # [hidden]
-    gate_up: Proj | QuantProj  # hidden -> 2 I: gate and up projections fused
-    down: Proj | QuantProj  # I -> hidden
+from nanoserve.model.placement import (
+    LayerWeights,
+    Placement,
+    decode_stack_weights,
+    place_weights,
+)
+from nanoserve.model.quant import QuantProj, QuantWeight
 
 
 @dataclass(slots=True)
@@ -80,8 +75,7 @@ class LlamaModel:
         self.device = torch.device(device)
         self.dtype = dtype
         self._choose_kernels(pack_weights, isa)
-        self._take_weights(weights)
-        self._plan_stack()
+        self._place_weights(weights)
         self._cos, self._sin = rope_tables(config, self.device, dtype)
         self.kv_cache: torch.Tensor | None = None  # [L, 2, num_blocks * block_size, KV, D]
         self.block_size = 0
@@ -104,69 +98,15 @@ class LlamaModel:
         # Quantized weights (model/quant.py) run on nanoserve's kernels: float32 on the CPU.
         self.quantized = self.native_layers
 
-    def _take_weights(self, weights: Mapping[str, torch.Tensor | QuantWeight]) -> None:
-        """The embedding, the final norm, the head and every layer, from the checkpoint's
-        tensors: float32 where they are, quantized where a kernel runs them here."""
-        config = self.config
-
-        def w(name: str) -> torch.Tensor:
-            t = weights[name]
-            t = t.dequantize(self.kernels) if isinstance(t, QuantWeight) else t
-            return t.to(device=self.device, dtype=self.dtype)
-
-        scratch = Scratch()  # what large batches dequantize a weight into, shared
-
-        def proj(names: list[str]) -> Proj | QuantProj:
-            return self._fused([weights[n] for n in names], scratch)
-
-        embed = weights["model.embed_tokens.weight"]
-        # [vocab, hidden]: float32, or its quantized rows, dequantized as they are looked up
-        self.embed_q = embed if self.quantized and isinstance(embed, QuantWeight) else None
-        self.embed = None if self.embed_q is not None else w("model.embed_tokens.weight")
-        self.norm = w("model.norm.weight")
-        head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-        self.lm_head = proj([head])  # hidden -> vocab
-        self.layers: list[_Layer] = []
-        for i in range(config.num_layers):
-            p = f"model.layers.{i}."
-            self.layers.append(_Layer(
-                attn_norm=w(p + "input_layernorm.weight"),
-                qkv=proj([p + f"self_attn.{x}_proj.weight" for x in "qkv"]),
-                o=proj([p + "self_attn.o_proj.weight"]),
-                mlp_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=proj([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
-                down=proj([p + "mlp.down_proj.weight"]),
-            ))
-
-    def _fused(self, parts: list[torch.Tensor | QuantWeight], scratch: Scratch
-               ) -> Proj | QuantProj:
-        """Several weights fused along the output: quantized where all share a format that
-        runs here, else float32."""
-        quant = [q for q in parts if isinstance(q, QuantWeight)]
-        if self.quantized and len(quant) == len(parts) and len({q.format for q in quant}) == 1:
-            return QuantProj(QuantWeight.cat(quant), scratch, self.kernels)
-        dense = [q.dequantize(self.kernels) if isinstance(q, QuantWeight) else q for q in parts]
-        return Proj(torch.cat(dense).to(device=self.device, dtype=self.dtype),
-                    pack=self.pack_weights)
-
-    def _plan_stack(self) -> None:
-        """A decode-only step runs every layer in one native call (csrc/stack.cpp) when every
-        projection is quantized in one format and decode attention is native: the same
-        kernels in the same order, without 300 calls from Python."""
-        formats = {p.weight.format if isinstance(p, QuantProj) else None
-                   for ly in self.layers for p in (ly.qkv, ly.o, ly.gate_up, ly.down)}
-        self.stack_format = (next(iter(formats)) if len(formats) == 1 and None not in formats
-                             and self.native_attention and self.reduce is None else None)
-        # The stack's per-layer weights, gathered once: the same lists every decode step.
-        self._stack_weights: tuple[object, ...] = ()
-        if self.stack_format is not None:
-            def blocks(get: Callable[[_Layer], Proj | QuantProj]) -> list[torch.Tensor]:
-                return [cast(QuantProj, get(ly)).weight.blocks for ly in self.layers]
-
-            self._stack_weights = (
-                [ly.attn_norm for ly in self.layers], blocks(lambda ly: ly.qkv),
-                blocks(lambda ly: ly.o), [ly.mlp_norm for ly in self.layers],
-                blocks(lambda ly: ly.gate_up), blocks(lambda ly: ly.down), self.stack_format)
+    def _place_weights(self, weights: Mapping[str, torch.Tensor | QuantWeight]) -> None:
+        """The checkpoint's tensors in the form this model runs them (model/placement.py),
+        and the decode stack's lists where it runs."""
+        placed = place_weights(self.config, weights, Placement(
+            self.device, self.dtype, self.kernels, self.quantized, self.pack_weights))
+        self.embed, self.embed_q, self.norm = placed.embed, placed.embed_q, placed.norm
+        self.lm_head, self.layers = placed.lm_head, placed.layers
+        self.stack_format, self._stack_weights = decode_stack_weights(
+            self.layers, self.native_attention and self.reduce is None)
 
     @classmethod
     def from_folder(
@@ -303,7 +243,7 @@ class LlamaModel:
 
     def _attention(
         self,
-        layer: _Layer,
+        layer: LayerWeights,
         h: torch.Tensor,  # [T, hidden]
         k_cache: torch.Tensor,  # [slots, KV, D]
         v_cache: torch.Tensor,  # [slots, KV, D]

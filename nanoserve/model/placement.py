@@ -1,0 +1,120 @@
+"""A Llama checkpoint's tensors placed for the forward: on the model's device, fused, and in
+the form its kernels run (float32, MKL-packed, or quantized blocks).
+
+Apart from the forward (llama.py) because it runs once, when the model is built: which form
+each weight takes is decided here, from the kernels the model chose, and the forward only
+calls the projections it is handed. The decode stack's per-layer lists (csrc/stack.cpp) are
+gathered here too, once, for the same reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+
+from nanoserve.model.base import ModelConfig
+from nanoserve.model.linear import Proj
+from nanoserve.model.native import Kernels
+from nanoserve.model.quant import QuantProj, QuantWeight, Scratch
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    attn_norm: torch.Tensor  # [hidden]
+    qkv: Proj | QuantProj  # hidden -> (H + 2 KV) * D: q, k and v projections fused
+    o: Proj | QuantProj  # H * D -> hidden
+    mlp_norm: torch.Tensor  # [hidden]
+    gate_up: Proj | QuantProj  # hidden -> 2 I: gate and up projections fused
+    down: Proj | QuantProj  # I -> hidden
+
+
+@dataclass(slots=True)
+class PlacedWeights:
+    # [vocab, hidden]: float32 (embed), or its quantized rows (embed_q), dequantized as they
+    # are looked up; the other is None
+    embed: torch.Tensor | None
+    embed_q: QuantWeight | None
+    norm: torch.Tensor  # [hidden], the final norm
+    lm_head: Proj | QuantProj  # hidden -> vocab
+    layers: list[LayerWeights]
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where and in what form the weights go, decided once from the device and dtype."""
+
+    device: torch.device
+    dtype: torch.dtype
+    kernels: Kernels | None
+    quantized: bool  # quantized weights stay quantized (else they are dequantized)
+    pack_weights: bool
+
+
+def place_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor | QuantWeight],
+                  where: Placement) -> PlacedWeights:
+    """The embedding, the final norm, the head and every layer, from the checkpoint's
+    tensors: float32 where they are, quantized where a kernel runs them here."""
+
+    def w(name: str) -> torch.Tensor:
+        t = weights[name]
+        t = t.dequantize(where.kernels) if isinstance(t, QuantWeight) else t
+        return t.to(device=where.device, dtype=where.dtype)
+
+    scratch = Scratch()  # what large batches dequantize a weight into, shared
+
+    def proj(names: list[str]) -> Proj | QuantProj:
+        return _fused([weights[n] for n in names], scratch, where)
+
+    embed = weights["model.embed_tokens.weight"]
+    embed_q = embed if where.quantized and isinstance(embed, QuantWeight) else None
+    head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    return PlacedWeights(
+        embed=None if embed_q is not None else w("model.embed_tokens.weight"),
+        embed_q=embed_q,
+        norm=w("model.norm.weight"),
+        lm_head=proj([head]),
+        layers=[LayerWeights(
+            attn_norm=w(p + "input_layernorm.weight"),
+            qkv=proj([p + f"self_attn.{x}_proj.weight" for x in "qkv"]),
+            o=proj([p + "self_attn.o_proj.weight"]),
+            mlp_norm=w(p + "post_attention_layernorm.weight"),
+            gate_up=proj([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+            down=proj([p + "mlp.down_proj.weight"]),
+        ) for p in (f"model.layers.{i}." for i in range(config.num_layers))],
+    )
+
+
+def _fused(parts: list[torch.Tensor | QuantWeight], scratch: Scratch, where: Placement
+           ) -> Proj | QuantProj:
+    """Several weights fused along the output: quantized where all share a format that
+    runs here, else float32."""
+    quant = [q for q in parts if isinstance(q, QuantWeight)]
+    if where.quantized and len(quant) == len(parts) and len({q.format for q in quant}) == 1:
+        return QuantProj(QuantWeight.cat(quant), scratch, where.kernels)
+    dense = [q.dequantize(where.kernels) if isinstance(q, QuantWeight) else q for q in parts]
+    return Proj(torch.cat(dense).to(device=where.device, dtype=where.dtype),
+                pack=where.pack_weights)
+
+
+def decode_stack_weights(layers: list[LayerWeights], usable: bool
+                         ) -> tuple[str | None, tuple[object, ...]]:
+    """(format, weights) of the decode stack: a decode-only step runs every layer in one
+    native call (csrc/stack.cpp) when every projection is quantized in one format and the
+    model can run it at all (`usable`): the same kernels in the same order, without 300
+    calls from Python. The weights are its per-layer lists, gathered once: the same lists
+    every decode step. (None, ()) where the stack does not run."""
+    formats = {p.weight.format if isinstance(p, QuantProj) else None
+               for ly in layers for p in (ly.qkv, ly.o, ly.gate_up, ly.down)}
+    fmt = next(iter(formats)) if len(formats) == 1 and None not in formats and usable else None
+    if fmt is None:
+        return None, ()
+
+    def blocks(get: Callable[[LayerWeights], Proj | QuantProj]) -> list[torch.Tensor]:
+        return [cast(QuantProj, get(ly)).weight.blocks for ly in layers]
+
+    return fmt, ([ly.attn_norm for ly in layers], blocks(lambda ly: ly.qkv),
+                 blocks(lambda ly: ly.o), [ly.mlp_norm for ly in layers],
+                 blocks(lambda ly: ly.gate_up), blocks(lambda ly: ly.down), fmt)
