@@ -15,7 +15,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from sim.trace.format import ClientSpec, Trace, TraceHeader, TraceRequest, write_trace
+from sim.trace.format import ClientSpec, Trace, TraceHeader, TraceRequest
+from sim.trace.write import write_trace
 
 ENGINE = {"block_size": 16, "num_blocks": 128, "max_num_seqs": 8,
           "max_num_batched_tokens": 256, "seed": 0, "max_model_len": 1024}

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from sim.trace.format import ClientSpec, EverySeconds, EverySteps, Trace, TraceHeader, TraceRequest
-from sim.trace.format import write_trace as write
+from sim.trace.write import write_trace as write
 
 ENGINE = {"block_size": 16, "num_blocks": 128, "max_num_seqs": 8,
           "max_num_batched_tokens": 256, "seed": 0, "max_model_len": 1024}

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from nanoserve.bridge import AsyncEngine
+from nanoserve.bridge.loop import EngineLoop
 from sim import cli
 from sim.replay.run import replay
 from sim.trace.format import Expectation
@@ -162,10 +162,10 @@ def test_a_fault_that_never_fires_changes_nothing() -> None:
 def test_a_dead_loop_that_fails_nobody_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     # The protection: when the loop dies, the bridge ends every request in flight with an
     # error. Without it the loop is still marked dead, and the clients wait for ever.
-    def mark_only(self: AsyncEngine, reason: str) -> None:
+    def mark_only(self: EngineLoop, reason: str) -> None:
         self._dead = reason
 
-    monkeypatch.setattr(AsyncEngine, "_fail_all", mark_only)
+    monkeypatch.setattr(EngineLoop, "_fail_all", mark_only)
     lines = replay(TRACES / "fault_loop_dies.jsonl", twin=False).mismatches
     for rid in ("r1", "r2", "r3"):
         assert f"{rid} invariant: the response never completed" in lines
