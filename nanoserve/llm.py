@@ -30,6 +30,7 @@ class LLM:
         tp_exact: bool = False,
         distributed_timeout: float | None = None,
         distributed_heartbeat_timeout: float | None = None,
+        int8_activations: bool = False,
         **engine_kwargs: Any,
     ) -> None:
         """`tensor_parallel_size` > 1 shards the weights over that many processes
@@ -37,12 +38,15 @@ class LLM:
         fresh interpreters, so a script needs no `if __name__ == "__main__":` guard.
         `distributed_timeout`: seconds they may take to start (default 600);
         `distributed_heartbeat_timeout`: seconds of silence after which a rank is taken as
-        lost (default 5). A start that fails raises ModelStartError naming the rank."""
+        lost (default 5). A start that fails raises ModelStartError naming the rank.
+        `int8_activations`: prefill-sized projections on 8-bit activations (model/int8.py),
+        faster and no longer token-identical."""
         m, tok = load(model, device=device, dtype=dtype, stub_eos_prob=stub_eos_prob,
                       quantization=quantization, tensor_parallel_size=tensor_parallel_size,
                       distributed_backend=distributed_backend, tp_exact=tp_exact,
                       distributed_timeout=distributed_timeout,
-                      distributed_heartbeat_timeout=distributed_heartbeat_timeout)
+                      distributed_heartbeat_timeout=distributed_heartbeat_timeout,
+                      int8_activations=int8_activations)
         self.engine = Engine(m, tok, EngineConfig(**engine_kwargs))
 
     def close(self) -> None:
