@@ -134,6 +134,10 @@ CASES: list[Any] = [
                  id="nanoserve serve --device cuda (no CUDA)"),
     ("nanoserve", _serve("--record-redact"),
      S + "--record-redact redacts what --record writes: give --record FILE"),
+    ("nanoserve", _serve("--int8-activations"),
+     S + "--int8-activations: --model stub has no weights"),
+    ("nanoserve", ["serve", "--int8-activations", "-tp", "3"],
+     S + "--int8-activations: --tensor-parallel-size 3: it runs in one process"),
     ("nanoserve", ["serve", "-tp", "2"],
      S + "--tensor-parallel-size 2 does not divide 9 attention heads; 3 KV heads (N must divide "
      "them or be a multiple of them); this model shards at 1, 3"),

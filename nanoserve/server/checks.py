@@ -29,6 +29,18 @@ def check_flags(a: argparse.Namespace) -> None:
     """Flags that mean something only with another."""
     if a.record_redact and a.record is None:
         raise ConfigError("--record-redact redacts what --record writes: give --record FILE")
+    if a.int8_activations:
+        check_int8_activations(a.model, a.tensor_parallel_size, a.device)
+
+
+def check_int8_activations(model: str, tensor_parallel_size: int, device: str) -> None:
+    """--int8-activations runs on real weights, on the CPU, in one process (model/int8.py)."""
+    why = ("--model stub has no weights" if model == "stub" else
+           f"--tensor-parallel-size {tensor_parallel_size}: it runs in one process"
+           if tensor_parallel_size != 1 else
+           f"--device {device}: it runs on the CPU" if device != "cpu" else None)
+    if why is not None:
+        raise ConfigError(f"--int8-activations: {why}")
 
 
 def chat_template(value: str | None) -> str | None:

@@ -78,6 +78,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     a("--quantization", default="auto", choices=CHOICES,
       help="auto: a GGUF's own Q4_0/Q4_1/Q8_0 blocks; none: float32; q8_0/q4_0/q4_1: that "
       "format for every matrix [auto]")
+    a("--int8-activations", action="store_true",
+      help="round activations to 8 bits in projections of 128+ rows (prefill): faster, "
+      "not token-identical to the default (scripts/int8_kl.py measures how far)")
     a("--tensor-parallel-size", "-tp", type=flags.positive_int, default=1,
       help="shard the weights over N processes (torch.distributed) [1]")
     a("--distributed-backend", default="auto", choices=BACKENDS,
@@ -205,7 +208,8 @@ async def _serve(
                                 distributed_backend=a.distributed_backend,
                                 tp_exact=a.tp_exact,
                                 distributed_timeout=a.distributed_timeout,
-                                distributed_heartbeat_timeout=a.distributed_heartbeat_timeout)
+                                distributed_heartbeat_timeout=a.distributed_heartbeat_timeout,
+                                int8_activations=a.int8_activations)
         return Engine(model, tokenizer, cfg)
 
     stop_requested, hurry, stop_serving, served = (trio.Event() for _ in range(4))
