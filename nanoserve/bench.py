@@ -41,6 +41,8 @@ from nanoserve.model.quant import CHOICES
 from nanoserve.sampling.params import SamplingParams
 from nanoserve.tokenizer import Tokenizer
 
+Figures = dict[str, float | int | str]  # a run's figures by name, as the JSON line prints them
+
 
 def workload(
     seed: int, n: int, vocab_size: int, prompt_min: int, prompt_max: int, out_min: int, out_max: int
@@ -194,12 +196,25 @@ def check(a: argparse.Namespace) -> EngineConfig:
     return cfg
 
 
-def run(a: argparse.Namespace) -> dict[str, float | int | str]:
+def run(a: argparse.Namespace) -> Figures:
     cfg = check(a)
     model, tok = _load(a)
     llm = LLM.from_parts(model, tok, cfg)
     reqs = workload(a.seed, a.n, model.config.vocab_size, a.prompt_min, a.prompt_max,
                     a.out_min, a.out_max)
+    result = _throughput_line(a, llm, model, reqs)
+    if a.single_tokens > 1 and a.model != "stub":
+        result |= _single_line(model, tok, reqs[0][0][:_SINGLE_PROMPT], a.single_tokens)
+    if a.batched_seqs > 0 and a.model != "stub":
+        result |= _batched_line(model, tok, a.batched_seqs)
+    print(json.dumps(result))
+    return result
+
+
+def _throughput_line(a: argparse.Namespace, llm: LLM, model: Model,
+                     reqs: list[tuple[list[int], int]]) -> Figures:
+    """The workload's run, timed, against the compute yardstick (module docstring): its
+    figures, and its line printed."""
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=o) for _, o in reqs]
     peak_before = mm_flops()
     with contextlib.ExitStack() as stack:
@@ -220,7 +235,12 @@ def run(a: argparse.Namespace) -> dict[str, float | int | str]:
     flops = 2 * weight_numel(model) * computed / seconds
     kernels = getattr(model, "kernels", None)  # a LlamaModel's; None: stock ops or the stub
     isa = kernels.isa if kernels is not None else "none"
-    result: dict[str, float | int | str] = {
+    print(f"nanoserve ({isa} kernels, --quantization {a.quantization}): {produced} output "
+          f"tokens in {seconds:.2f}s = "
+          f"{produced / seconds:.1f} tok/s ({stats.steps} steps); {computed} computed tokens "
+          f"at {flops / 1e9:.1f} GFLOP/s = {flops / peak:.0%} of a 2048 mm's "
+          f"{peak / 1e9:.1f} GFLOP/s")
+    return {
         "isa": isa,
         "quantization": a.quantization,
         "requests": len(reqs),
@@ -236,29 +256,28 @@ def run(a: argparse.Namespace) -> dict[str, float | int | str]:
         "mm2048_gflops": round(peak / 1e9, 1),
         "fraction_of_mm_peak": round(flops / peak, 3),
     }
-    print(f"nanoserve ({isa} kernels, --quantization {a.quantization}): {produced} output "
-          f"tokens in {seconds:.2f}s = "
-          f"{produced / seconds:.1f} tok/s ({stats.steps} steps); {computed} computed tokens "
-          f"at {flops / 1e9:.1f} GFLOP/s = {flops / peak:.0%} of a 2048 mm's "
-          f"{peak / 1e9:.1f} GFLOP/s")
-    if a.single_tokens > 1 and a.model != "stub":
-        bw = copy_bandwidth()
-        weight_bytes = model.weight_bytes()  # type: ignore[attr-defined]  # real weights
-        bound = bw / weight_bytes
-        single = single_stream(model, tok, reqs[0][0][:_SINGLE_PROMPT], a.single_tokens)
-        result |= {"single_decode_tokens_per_s": round(single, 2),
-                   "weight_mbytes": round(weight_bytes / 1e6, 1),
-                   "copy_gbytes_per_s": round(bw / 1e9, 2),
-                   "bandwidth_bound_tokens_per_s": round(bound, 2),
-                   "bound_over_single": round(bound / single, 2)}
-        print(f"batch 1: {single:.1f} decode tok/s; bandwidth bound {bound:.1f} tok/s "
-              f"({weight_bytes / 1e6:.0f} MB of weights at {bw / 1e9:.1f} GB/s), "
-              f"{bound / single:.2f}x away")
-    if a.batched_seqs > 0 and a.model != "stub":
-        tg = batched_decode(model, tok, a.batched_seqs, _BATCHED_PROMPT, _BATCHED_OUT)
-        result["batched_decode_tokens_per_s"] = round(tg, 2)
-        result["batched_seqs"] = a.batched_seqs
-        print(f"{a.batched_seqs} sequences (128-token prompts, 64 out): {tg:.1f} decode tok/s, "
-              f"prefill excluded")
-    print(json.dumps(result))
-    return result
+
+
+def _single_line(model: Model, tok: Tokenizer, prompt: list[int], tokens: int) -> Figures:
+    """Batch-1 decode against the memory-bandwidth bound (module docstring): its figures,
+    and its line printed."""
+    bw = copy_bandwidth()
+    weight_bytes = model.weight_bytes()  # type: ignore[attr-defined]  # real weights
+    bound = bw / weight_bytes
+    single = single_stream(model, tok, prompt, tokens)
+    print(f"batch 1: {single:.1f} decode tok/s; bandwidth bound {bound:.1f} tok/s "
+          f"({weight_bytes / 1e6:.0f} MB of weights at {bw / 1e9:.1f} GB/s), "
+          f"{bound / single:.2f}x away")
+    return {"single_decode_tokens_per_s": round(single, 2),
+            "weight_mbytes": round(weight_bytes / 1e6, 1),
+            "copy_gbytes_per_s": round(bw / 1e9, 2),
+            "bandwidth_bound_tokens_per_s": round(bound, 2),
+            "bound_over_single": round(bound / single, 2)}
+
+
+def _batched_line(model: Model, tok: Tokenizer, seqs: int) -> Figures:
+    """llama-batched-bench's TG on `seqs` sequences: its figures, and its line printed."""
+    tg = batched_decode(model, tok, seqs, _BATCHED_PROMPT, _BATCHED_OUT)
+    print(f"{seqs} sequences (128-token prompts, 64 out): {tg:.1f} decode tok/s, "
+          f"prefill excluded")
+    return {"batched_decode_tokens_per_s": round(tg, 2), "batched_seqs": seqs}
