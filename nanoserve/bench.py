@@ -36,7 +36,7 @@ from nanoserve.config import ConfigError, EngineConfig
 from nanoserve.engine.engine import Engine
 from nanoserve.llm import LLM
 from nanoserve.model import Model, load
-from nanoserve.model.preflight import check_device, check_model
+from nanoserve.model.preflight import check_device, check_int8_activations, check_model
 from nanoserve.model.quant import CHOICES
 from nanoserve.sampling.params import SamplingParams
 from nanoserve.tokenizer import Tokenizer
@@ -72,6 +72,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="auto: the GGUF's own blocks; none: float32 (see nanoserve serve)")
     p.add_argument("--tensor-parallel-size", "-tp", type=flags.positive_int, default=1,
                    help="shard the weights over N processes (serve's flag) [1]")
+    p.add_argument("--int8-activations", action="store_true",
+                   help="8-bit activations in projections of 128+ rows (serve's flag)")
     p.add_argument("--pack", choices=("auto", "on", "off"), default="auto",
                    help="pre-packed MKL weights (auto: wherever available)")
     p.add_argument("--profile", action="store_true",
@@ -156,7 +158,10 @@ def batched_decode(model: Model, tok: Tokenizer, seqs: int, prompt_len: int, n: 
 def _load(a: argparse.Namespace) -> tuple[Model, Tokenizer]:
     if a.pack == "auto" or a.model == "stub":
         return load(a.model, device=a.device, dtype=a.dtype, quantization=a.quantization,
-                    tensor_parallel_size=a.tensor_parallel_size)
+                    tensor_parallel_size=a.tensor_parallel_size,
+                    int8_activations=a.int8_activations)
+    if a.int8_activations:
+        raise ConfigError("--int8-activations runs with --pack auto")
     from nanoserve.model.llama import LlamaModel
     from nanoserve.model.loader import resolve_model
 
@@ -180,6 +185,8 @@ def check(a: argparse.Namespace) -> EngineConfig:
             raise ConfigError(f"--{low.replace('_', '-')} {getattr(a, low)} is more than "
                               f"--{high.replace('_', '-')} {getattr(a, high)}")
     check_device(a.device)
+    if a.int8_activations:
+        check_int8_activations(a.model, a.tensor_parallel_size, a.device)
     cfg = EngineConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens)
     context = check_model(a.model, a.dtype, a.tensor_parallel_size, cfg, a.device).max_model_len
     runs = [("--prompt-max", a.prompt_max, "--out-max", a.out_max)]
@@ -235,7 +242,8 @@ def _throughput_line(a: argparse.Namespace, llm: LLM, model: Model,
     flops = 2 * weight_numel(model) * computed / seconds
     kernels = getattr(model, "kernels", None)  # a LlamaModel's; None: stock ops or the stub
     isa = kernels.isa if kernels is not None else "none"
-    print(f"nanoserve ({isa} kernels, --quantization {a.quantization}): {produced} output "
+    int8 = " --int8-activations" if a.int8_activations else ""
+    print(f"nanoserve ({isa} kernels, --quantization {a.quantization}{int8}): {produced} output "
           f"tokens in {seconds:.2f}s = "
           f"{produced / seconds:.1f} tok/s ({stats.steps} steps); {computed} computed tokens "
           f"at {flops / 1e9:.1f} GFLOP/s = {flops / peak:.0%} of a 2048 mm's "
@@ -243,6 +251,7 @@ def _throughput_line(a: argparse.Namespace, llm: LLM, model: Model,
     return {
         "isa": isa,
         "quantization": a.quantization,
+        "int8_activations": a.int8_activations,
         "requests": len(reqs),
         "output_tokens": produced,
         "prompt_tokens": prompt_tokens,

@@ -146,6 +146,8 @@ CASES: list[Any] = [
     # bench
     ("nanoserve", _bench("--prompt-min", "10", "--prompt-max", "5"),
      B + "--prompt-min 10 is more than --prompt-max 5"),
+    ("nanoserve", _bench("--int8-activations"),
+     B + "--int8-activations: --model stub has no weights"),
     ("nanoserve", _bench("--out-min", "64", "--out-max", "32"),
      B + "--out-min 64 is more than --out-max 32"),
     ("nanoserve", _bench("--prompt-min", "0"),

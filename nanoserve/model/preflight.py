@@ -86,3 +86,13 @@ def check_model(model: str, dtype: str, tp: int, cfg: EngineConfig, device: str,
         raise ConfigError(f"the KV pool{per} takes {need} B, more than {on} ({have} B): "
                           f"lower {sized}")
     return layout
+
+
+def check_int8_activations(model: str, tensor_parallel_size: int, device: str) -> None:
+    """--int8-activations runs on real weights, on the CPU, in one process (model/int8.py)."""
+    why = ("--model stub has no weights" if model == "stub" else
+           f"--tensor-parallel-size {tensor_parallel_size}: it runs in one process"
+           if tensor_parallel_size != 1 else
+           f"--device {device}: it runs on the CPU" if device != "cpu" else None)
+    if why is not None:
+        raise ConfigError(f"--int8-activations: {why}")

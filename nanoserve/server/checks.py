@@ -20,6 +20,7 @@ import jinja2
 import jinja2.sandbox
 
 from nanoserve.config import ConfigError
+from nanoserve.model.preflight import check_int8_activations
 
 # vLLM's rule for --chat-template: a value holding one of these is a template, else a path.
 _JINJA_CHARS = "{}\n"
@@ -32,15 +33,6 @@ def check_flags(a: argparse.Namespace) -> None:
     if a.int8_activations:
         check_int8_activations(a.model, a.tensor_parallel_size, a.device)
 
-
-def check_int8_activations(model: str, tensor_parallel_size: int, device: str) -> None:
-    """--int8-activations runs on real weights, on the CPU, in one process (model/int8.py)."""
-    why = ("--model stub has no weights" if model == "stub" else
-           f"--tensor-parallel-size {tensor_parallel_size}: it runs in one process"
-           if tensor_parallel_size != 1 else
-           f"--device {device}: it runs on the CPU" if device != "cpu" else None)
-    if why is not None:
-        raise ConfigError(f"--int8-activations: {why}")
 
 
 def chat_template(value: str | None) -> str | None:
