@@ -2,6 +2,7 @@
 
     app.py       create_app(): the app around one engine; auth, errors
     lifespan.py  the engine task: started with the app, the weights loaded, stopped with it
+    connection.py  the app's ASGI connection: how a response ends; the recorder's hook
     config.py    ServerConfig: the settings serve's flags decide; state.py: the app's state
     recording.py the `serve --record` hook (the recorder comes from an entry point)
     generation.py  POST /v1/completions, POST /v1/chat/completions

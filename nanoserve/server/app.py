@@ -7,7 +7,8 @@ seconds), `id_source` (the tail of `cmpl-...` ids) and `time_source` (epoch seco
 every byte of every response.
 
 The engine's life in the app (started with it, loaded in a thread if need be, stopped with
-it) is server/lifespan.py's.
+it) is server/lifespan.py's; the connection class under Quart's requests (how a response's
+sending ends, the recorder's hook) is server/connection.py's.
 """
 
 from __future__ import annotations
@@ -16,25 +17,22 @@ import hmac
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
-import trio
-from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable
 from quart import Response, request
 from quart_trio import QuartTrio
-from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
 
 from nanoserve.bridge import BridgeStats, EngineDeadError
 from nanoserve.bridge.clock import Clock
-from nanoserve.server import admin, generation, openapi, recording
+from nanoserve.server import admin, generation, openapi
 from nanoserve.server.config import ServerConfig
+from nanoserve.server.connection import Connection
 from nanoserve.server.cors import CorsMiddleware
 from nanoserve.server.errors import ApiError, error_object
 from nanoserve.server.lifespan import EngineSource, engine_lifespan
 from nanoserve.server.metrics import Metrics
 from nanoserve.server.recording import Recorder
-from nanoserve.server.respond import SseBody, json_response
+from nanoserve.server.respond import json_response
 from nanoserve.server.state import ServerState, counter_ids, current_state
 
 log = logging.getLogger("nanoserve.server")
@@ -56,7 +54,7 @@ def create_app(
     closed once the engine has stopped."""
     # No static folder: Quart would otherwise add an undocumented /static/<path> route.
     app = QuartTrio("nanoserve", static_folder=None)
-    app.asgi_http_class = _Connection
+    app.asgi_http_class = Connection
     app.config.update(
         RESPONSE_TIMEOUT=None,  # would cut long streams without their terminator
         BODY_TIMEOUT=config.body_timeout,
@@ -109,60 +107,6 @@ async def drain(app: QuartTrio, grace: float) -> int:
     if st.ready is None:
         return 0
     return await st.ready.registry.drain(grace)
-
-
-class _Connection(TrioASGIHTTPConnection):
-    """Quart-Trio's HTTP connection, plus two guarantees: once sending a response ends, for
-    any reason, the stream behind it is closed (see respond.SseBody); and the last message
-    of a response is sent to its end (below). With a recorder, the generation routes' ASGI
-    messages are also reported to it (server.recording).
-
-    Why the second: Hypercorn finishes a connection's HTTP exchange inside the app's send of
-    the last body message (it closes the socket, or starts the keep-alive timer), and on the
-    way it hands the app `http.disconnect`, on which Quart-Trio cancels the request's
-    nursery: the send, and Hypercorn's work in it, is cancelled half done. After a 408 for a
-    stalled body the socket was then never closed, and the client held the connection for
-    as long as it liked. So a disconnect that comes while the last message is being sent
-    does not cancel; `handle_request` ends the nursery itself once the send returns."""
-
-    _finishing = False  # the last body message is being sent
-
-    async def __call__(self, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
-        st: ServerState = self.app.extensions["nanoserve"]
-        ex = recording.recorded(st.recorder, self.scope)
-        send = self._watch_last(send)
-        if ex is None:
-            await super().__call__(receive, send)
-            return
-        try:
-            await super().__call__(recording.recording_receive(ex, receive),
-                                   recording.recording_send(ex, send))
-        finally:
-            recording.safely(ex.done)
-
-    def _watch_last(self, send: ASGISendCallable) -> ASGISendCallable:
-        async def watched(message: Any) -> None:
-            if message["type"] == "http.response.body" and not message.get("more_body"):
-                self._finishing = True
-            await send(message)
-
-        return watched
-
-    async def handle_messages(  # type: ignore[override]
-        self, nursery: trio.Nursery, request: Any, receive: ASGIReceiveCallable
-    ) -> None:
-        # Quart's own loop: returns on http.disconnect (Quart-Trio then always cancels).
-        await super(TrioASGIHTTPConnection, self).handle_messages(request, receive)
-        if not self._finishing:
-            nursery.cancel_scope.cancel()
-
-    async def _send_response(self, send: ASGISendCallable, response: Any) -> None:
-        try:
-            await super()._send_response(send, response)
-        finally:
-            body = getattr(response, "response", None)
-            if isinstance(body, SseBody):
-                body.close_nowait()
 
 
 async def _api_error(exc: ApiError) -> Response:
