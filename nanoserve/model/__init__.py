@@ -1,6 +1,8 @@
 """Models behind one protocol (base.py): real Llama weights and the weightless stub.
 
     llama.py      the Llama forward over the paged KV cache; attention.py its attention
+    placement.py  a checkpoint's tensors placed for the forward: fused, float32 or quantized
+    step.py       one step's inputs to the forward: index tensors, RoPE rows, attention plan
     quant.py      quantized weights (GGUF blocks) and their projections
     native.py     the build of csrc/, the CPU kernels (layers, attention, quantized, stack),
                   once per instruction set, and the run-time choice among them

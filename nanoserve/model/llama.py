@@ -9,7 +9,6 @@ a token belongs to (model/attention.py).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,13 +16,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from nanoserve.model import native, ops
-from nanoserve.model.attention import (
-    DECODE_GROUP_BYTES,
-    NATIVE_HEAD_DIMS,
-    AttentionPlan,
-    attend,
-    plan_attention,
-)
+from nanoserve.model.attention import DECODE_GROUP_BYTES, NATIVE_HEAD_DIMS, attend
 from nanoserve.model.base import ForwardBatch, ModelConfig
 from nanoserve.model.linear import mkl_packing_available
 from nanoserve.model.loader import load_model_config
@@ -34,19 +27,7 @@ from nanoserve.model.placement import (
     place_weights,
 )
 from nanoserve.model.quant import QuantProj, QuantWeight
-
-
-@dataclass(slots=True)
-class _Plan:
-    """Everything a step needs besides the weights, built once and shared by all layers."""
-
-    input_ids: torch.Tensor  # [T]
-    slot_mapping: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    cos: torch.Tensor  # native: the model's [P, D] table; stock: [T, 1, D] for these tokens
-    sin: torch.Tensor
-    logits_indices: torch.Tensor  # [R]
-    attention: AttentionPlan
+from nanoserve.model.step import StepPlan, plan_step, rope_tables
 
 
 def load_weights(folder: str | Path) -> dict[str, torch.Tensor]:
@@ -159,30 +140,6 @@ class LlamaModel:
 
     # ---- forward --------------------------------------------------------------------------
 
-    def _plan(self, b: ForwardBatch) -> _Plan:
-        """Turn the batch's lists into index tensors: one host-to-device copy each, no syncs."""
-        if len(b.input_ids) != sum(b.query_lens) or len(b.query_lens) != len(b.block_tables):
-            raise ValueError("ForwardBatch: input_ids, query_lens and block_tables disagree")
-        dev, c = self.device, self.config
-
-        def tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=dev)
-
-        positions = tensor(b.positions)
-        stock = not self.native_layers
-        row_bytes = self.block_size * c.num_kv_heads * c.head_dim * self._cache().element_size()
-        return _Plan(
-            input_ids=tensor(b.input_ids),
-            slot_mapping=tensor(b.slot_mapping),
-            positions=positions,
-            cos=self._cos[positions][:, None, :] if stock else self._cos,
-            sin=self._sin[positions][:, None, :] if stock else self._sin,
-            logits_indices=tensor(b.logits_indices),
-            attention=plan_attention(b, block_size=self.block_size, kv_row_bytes=row_bytes,
-                                     group_bytes=self.decode_group_bytes,
-                                     native=self.native_attention, device=dev),
-        )
-
     def pick_greedy(self, batch: ForwardBatch) -> None:
         """No cheaper way to an argmax than the logits: the engine runs `forward`."""
         return None
@@ -201,7 +158,10 @@ class LlamaModel:
         nat = self.kernels if self.native_layers else None
         reduce = self.reduce or (lambda t: t)
         with torch.inference_mode():
-            plan = self._plan(batch)
+            plan = plan_step(batch, self.config, cache, self.block_size, self._cos, self._sin,
+                             stock=not self.native_layers,
+                             native_attention=self.native_attention,
+                             group_bytes=self.decode_group_bytes, device=self.device)
             eps = self.config.rms_norm_eps
             x = self._embed(plan.input_ids)  # [T, hidden], the residual stream
             ap = plan.attention
@@ -223,7 +183,7 @@ class LlamaModel:
             out: torch.Tensor = ops.rms_norm(x[idx] + m[idx], self.norm, eps, native=nat)
             return out
 
-    def _decode_stack(self, x: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    def _decode_stack(self, x: torch.Tensor, plan: StepPlan) -> torch.Tensor:
         """Every layer of a decode-only step in one native call; returns the last MLP
         output (x, the residual, is updated in place as the layer loop updates it)."""
         c, n = self.config, plan.attention.native
@@ -247,7 +207,7 @@ class LlamaModel:
         h: torch.Tensor,  # [T, hidden]
         k_cache: torch.Tensor,  # [slots, KV, D]
         v_cache: torch.Tensor,  # [slots, KV, D]
-        plan: _Plan,
+        plan: StepPlan,
     ) -> torch.Tensor:
         c = self.config
         shape = (c.num_heads, c.num_kv_heads, c.head_dim)
@@ -256,15 +216,3 @@ class LlamaModel:
                                  native=self.kernels if self.native_layers else None)
         out = attend(q, k, v, k_cache, v_cache, plan.attention, self.kernels)  # [T, H, D]
         return layer.o(out.view(h.shape[0], -1))  # [T, hidden]
-
-
-def rope_tables(config: ModelConfig, device: torch.device, dtype: torch.dtype
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE's cos and sin for every position, once: pos * theta^(-2i/D) in float32 (the
-    product is exact to one rounding, as in the reference), duplicated for rotate_half."""
-    d = config.head_dim
-    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, d, 2).float() / d)  # [D/2]
-    pos = torch.arange(config.max_position_embeddings, dtype=torch.float32)
-    angles = torch.outer(pos, inv_freq)
-    angles = torch.cat((angles, angles), dim=-1)  # [P, D]
-    return angles.cos().to(device, dtype), angles.sin().to(device, dtype)

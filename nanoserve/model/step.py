@@ -1,0 +1,70 @@
+"""One step's inputs to the Llama forward, prepared once and shared by every layer: the
+batch's lists as index tensors on the device, the RoPE rows for its positions, and the
+attention plan (model/attention.py).
+
+Apart from the forward (llama.py) because it is the step's bookkeeping, not its arithmetic:
+host lists turned into device tensors, one host-to-device copy each and no syncs, before
+any layer runs. RoPE's tables live here too: built once per model, indexed here per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanoserve.model.attention import AttentionPlan, plan_attention
+from nanoserve.model.base import ForwardBatch, ModelConfig
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """Everything a step needs besides the weights, built once and shared by all layers."""
+
+    input_ids: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    cos: torch.Tensor  # native: the model's [P, D] table; stock: [T, 1, D] for these tokens
+    sin: torch.Tensor
+    logits_indices: torch.Tensor  # [R]
+    attention: AttentionPlan
+
+
+def plan_step(b: ForwardBatch, config: ModelConfig, cache: torch.Tensor, block_size: int,
+              cos: torch.Tensor, sin: torch.Tensor, *, stock: bool, native_attention: bool,
+              group_bytes: int, device: torch.device) -> StepPlan:
+    """Turn the batch's lists into index tensors: one host-to-device copy each, no syncs.
+    `cos` and `sin` are the model's RoPE tables (rope_tables); `stock`: the layers run on
+    stock PyTorch ops, which take the rows of these positions rather than the tables."""
+    if len(b.input_ids) != sum(b.query_lens) or len(b.query_lens) != len(b.block_tables):
+        raise ValueError("ForwardBatch: input_ids, query_lens and block_tables disagree")
+    c = config
+
+    def tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    positions = tensor(b.positions)
+    row_bytes = block_size * c.num_kv_heads * c.head_dim * cache.element_size()
+    return StepPlan(
+        input_ids=tensor(b.input_ids),
+        slot_mapping=tensor(b.slot_mapping),
+        positions=positions,
+        cos=cos[positions][:, None, :] if stock else cos,
+        sin=sin[positions][:, None, :] if stock else sin,
+        logits_indices=tensor(b.logits_indices),
+        attention=plan_attention(b, block_size=block_size, kv_row_bytes=row_bytes,
+                                 group_bytes=group_bytes, native=native_attention,
+                                 device=device),
+    )
+
+
+def rope_tables(config: ModelConfig, device: torch.device, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's cos and sin for every position, once: pos * theta^(-2i/D) in float32 (the
+    product is exact to one rounding, as in the reference), duplicated for rotate_half."""
+    d = config.head_dim
+    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, d, 2).float() / d)  # [D/2]
+    pos = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+    angles = torch.outer(pos, inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)  # [P, D]
+    return angles.cos().to(device, dtype), angles.sin().to(device, dtype)
