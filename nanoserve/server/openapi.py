@@ -106,11 +106,8 @@ def _operation(summary: str, ok: Schema, errors: tuple[int, ...], body: Schema |
     return op
 
 
-def document(config: ServerConfig, *, vocab_size: int | None = None,
-             max_model_len: int | None = None) -> Schema:
-    """The whole document; the token-id and max_tokens bounds appear once a model is loaded."""
-    auth = config.api_key is not None
-    body = request_schemas(config.served_model_name, vocab_size, max_model_len)
+def _paths(body: dict[str, Schema], *, auth: bool) -> Schema:
+    """Every route's operation: its request `body` (by path) and its answers."""
     gen = (400, 404, 408, 413, 429, 503)
     aux = (400, 404, 408, 413, 503)
     completion = _generation("text_completion", {"text": _STR})
@@ -129,7 +126,7 @@ def document(config: ServerConfig, *, vocab_size: int | None = None,
     def op(*args: Any, **kw: Any) -> Schema:
         return _operation(*args, auth=auth, **kw)
 
-    paths = {
+    return {
         "/v1/completions": {"post": op("Complete prompts", _ok(completion, sse=True), gen,
                                        body["/v1/completions"])},
         "/v1/chat/completions": {"post": op("Chat", _ok(chat, sse=True), gen,
@@ -152,6 +149,13 @@ def document(config: ServerConfig, *, vocab_size: int | None = None,
                                       _ok(tok_info), (503,), None)},
         "/openapi.json": {"get": op("This document", _ok({"type": "object"}), (), None)},
     }
+
+
+def document(config: ServerConfig, *, vocab_size: int | None = None,
+             max_model_len: int | None = None) -> Schema:
+    """The whole document; the token-id and max_tokens bounds appear once a model is loaded."""
+    auth = config.api_key is not None
+    body = request_schemas(config.served_model_name, vocab_size, max_model_len)
     doc: Schema = {
         "openapi": "3.1.0",
         "info": {"title": "nanoserve", "version": "0.1.0",
@@ -159,7 +163,7 @@ def document(config: ServerConfig, *, vocab_size: int | None = None,
                  "extensions). Every non-2xx answer is the OpenAI error object. Integers "
                  "are JSON integers: 2, not 2.0 (JSON Schema counts 2.0 as an integer; "
                  "the validators refuse it, as they refuse true for 1)."},
-        "paths": paths,
+        "paths": _paths(body, auth=auth),
         "components": {"schemas": {"Error": _obj({"error": _obj({
             "message": _STR, "type": _STR, "param": {"type": ["string", "null"]},
             "code": {"type": ["string", "null"]}}, additionalProperties=False)},
