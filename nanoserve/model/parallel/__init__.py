@@ -7,6 +7,7 @@
     worker.py    ranks 1..N-1: load the shard, join the group, run what rank 0 posts
     watch.py     rank 0's watch: a rank that exits or stops beating is lost
     group.py     rank 0's `Model`: its own shard plus the worker ranks
+    startup.py   rank 0's wait for the group to start, and a failed start's one error
     emulate.py   the same sharding as N threads of one process (the exact mode's oracle)
 """
 

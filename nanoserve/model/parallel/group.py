@@ -8,12 +8,12 @@ keep the ranks in step. Rank 0's logits are the model's.
 
 Start-up: the workers are fresh interpreters (parallel/launch.py); each imports torch, loads
 its shard and joins the process group, marking each stage in the channel, and rank 0 waits
-for all of them for up to `timeout_s` (the rendezvous's and the collectives' timeout too),
-logging who is at which stage every 10 s. On a busy 2-core host three ranks importing torch
-at once take far longer than on an idle one, so the default is generous (600 s, vLLM's
-wait for its engine); a rank that exits fails the start at once. A start that fails is one
-ModelStartError naming each rank that was not ready and what it was doing, every worker
-killed and reaped.
+for all of them (parallel/startup.py) for up to `timeout_s` (the rendezvous's and the
+collectives' timeout too), logging who is at which stage every 10 s. On a busy 2-core host
+three ranks importing torch at once take far longer than on an idle one, so the default is
+generous (600 s, vLLM's wait for its engine); a rank that exits fails the start at once. A
+start that fails is one ModelStartError naming each rank that was not ready and what it was
+doing, every worker killed and reaped.
 
 Running: a rank that dies or goes silent (no heartbeat for `heartbeat_timeout_s`) is seen
 by the watch (parallel/watch.py), which kills every worker, so the step that needed it fails
@@ -28,34 +28,31 @@ import logging
 import math
 import os
 import socket
-import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 
-from nanoserve.model.base import ForwardBatch, ModelStartError
+from nanoserve.model.base import ForwardBatch
 from nanoserve.model.parallel.channel import (
     COPY,
     DIGEST,
     EXIT,
     FORWARD,
     INIT_KV,
-    READY,
-    STAGES,
     Channel,
     RankDied,
 )
 from nanoserve.model.parallel.launch import Rank
+from nanoserve.model.parallel.startup import start_rank0
 from nanoserve.model.parallel.watch import Watch
 from nanoserve.model.parallel.worker import (
     Boot,
     GroupSpec,
     LoadSpec,
     all_digests,
-    build_shard,
     encode_batch,
 )
 
@@ -67,7 +64,6 @@ BACKENDS = ("auto", "gloo", "nccl")
 DEFAULT_TIMEOUT_S = 600.0
 # Seconds a rank's heartbeat may stand still before the rank is taken as lost.
 DEFAULT_HEARTBEAT_TIMEOUT_S = 5.0
-_PROGRESS_EVERY_S = 10.0
 
 
 def free_port() -> int:
@@ -133,7 +129,7 @@ class TensorParallelModel:
                      world_size, self.group.backend, self.group.threads,
                      " ".join(str(p.pid) for p in self.procs))
             torch.set_num_threads(self.group.threads)  # here: a thread count is per thread
-            self.model = self._start(spec, timeout_s)
+            self.model = start_rank0(spec, self.group, self.channel, self.procs, timeout_s)
         except BaseException as exc:
             self._failed = f"tensor parallel group failed to start: {exc}"  # no group to leave
             self.close(grace_s=0.0)
@@ -210,61 +206,6 @@ class TensorParallelModel:
         except Exception as exc:
             self._fail(exc)
             raise RankDied(self._failed or str(exc)) from exc
-
-    def _start(self, spec: LoadSpec, timeout_s: float) -> Any:
-        """Build rank 0's shard in a thread while watching the workers start: a rank that
-        exits fails the start at once, one that does not get ready fails it at the
-        deadline, each with a message that names the ranks and their stages."""
-        box: list[Any] = []
-        stages = self.channel.control.stages
-
-        def rank0_stage(stage: int) -> None:
-            stages[0] = stage
-
-        def target() -> None:
-            try:
-                box.append((True, build_shard(spec, self.group, 0, rank0_stage)))
-            except BaseException as exc:  # handed to the caller below
-                box.append((False, exc))
-
-        t = threading.Thread(target=target, name="nanoserve-tp-rank0-start", daemon=True)
-        t.start()
-        t0 = time.monotonic()
-        next_report = t0 + _PROGRESS_EVERY_S
-        while t.is_alive() or any(stages[r] != READY for r in range(1, self.group.world_size)):
-            t.join(0.05)
-            now = time.monotonic()
-            for p in self.procs:
-                if p.exitcode is not None:
-                    raise ModelStartError(
-                        f"tensor parallel start-up failed: rank {p.rank} (pid {p.pid}) exited "
-                        f"with code {p.exitcode} while {STAGES[stages[p.rank]]}")
-            if box and not box[0][0]:
-                first = str(box[0][1]).splitlines()[0] if str(box[0][1]) else repr(box[0][1])
-                raise ModelStartError(
-                    f"tensor parallel start-up failed: rank 0 while {STAGES[stages[0]]}: "
-                    f"{first}; {self._not_ready()}")
-            if now - t0 > timeout_s:
-                raise ModelStartError(
-                    f"tensor parallel start-up failed: not every rank was ready within the "
-                    f"distributed timeout of {timeout_s:g} s: {self._not_ready()}")
-            if now >= next_report:
-                next_report += _PROGRESS_EVERY_S
-                log.info("tensor parallel: %.0f s into start-up (of at most %g s): %s",
-                         now - t0, timeout_s, self._not_ready())
-        ok, value = box[0]
-        if not ok:
-            raise value
-        log.info("tensor parallel: %d ranks ready in %.1f s", self.group.world_size,
-                 time.monotonic() - t0)
-        return value
-
-    def _not_ready(self) -> str:
-        stages = self.channel.control.stages
-        pids = [os.getpid(), *self.pids]
-        return "; ".join(f"rank {r} (pid {pids[r]}) was {STAGES[stages[r]]}"
-                         for r in range(self.group.world_size) if stages[r] != READY
-                         ) or "every rank was ready"
 
     def _check_alive(self) -> None:
         if self._watch.lost is not None:
