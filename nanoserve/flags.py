@@ -14,11 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
+          "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "tb": 10**12}
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*")
 
 
 class Parser(argparse.ArgumentParser):
@@ -131,3 +135,15 @@ def output_file(text: str) -> str:
     if not folder.is_dir():
         raise argparse.ArgumentTypeError(f"no such folder: {folder}")
     return text
+
+
+def size_bytes(text: str) -> int:
+    """'2GiB', '512MiB', '1.5GB', '1000000' -> bytes."""
+    m = _SIZE.fullmatch(text)
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 2GiB, 512MiB, 1000000)")
+    size = int(float(m.group(1)) * _UNITS[unit])
+    if size < 1:  # every size flag sizes something that must hold at least a byte
+        raise argparse.ArgumentTypeError(f"must be a size > 0, got {text!r}")
+    return size

@@ -60,13 +60,7 @@ def load(
         raise ValueError("int8_activations: runs on real weights on the CPU, in one process "
                          "(not with the stub, tensor parallelism or another device)")
     if name == "stub":
-        from nanoserve.model.stub import StubModel
-
-        if tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size: the stub model has no weights to shard; "
-                             "it runs at 1")
-        tok = Tokenizer.from_folder(resolve_model("smollm2"))
-        return StubModel(tok, eos_prob=stub_eos_prob, device=device), tok
+        return _stub(device, stub_eos_prob, tensor_parallel_size)
     folder = resolve_model(name) if name == "smollm2" else resolve_model(str(Path(name)))
     tok = Tokenizer.from_folder(folder)
     if tensor_parallel_size != 1:
@@ -89,6 +83,17 @@ def load(
         attach(model, int8_projections(model.layers), tok.encode(CALIBRATION_TEXT))
     return model, tok
 
+
+def _stub(device: str, eos_prob: float, tensor_parallel_size: int) -> tuple[Model, Tokenizer]:
+    """The stub model, with SmolLM2's tokenizer so that its text behaves like the real one's."""
+    from nanoserve.model.loader import resolve_model
+    from nanoserve.model.stub import StubModel
+
+    if tensor_parallel_size != 1:
+        raise ValueError("tensor_parallel_size: the stub model has no weights to shard; "
+                         "it runs at 1")
+    tok = Tokenizer.from_folder(resolve_model("smollm2"))
+    return StubModel(tok, eos_prob=eos_prob, device=device), tok
 
 def kv_geometry(name: str, dtype: str = "float32", tensor_parallel_size: int = 1
                 ) -> tuple[int, int]:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import signal
 import time
 import uuid
@@ -47,29 +46,19 @@ from nanoserve.server.recording import Recorder
 
 log = logging.getLogger("nanoserve.server")
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
-          "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "tb": 10**12}
-_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*")
 # Hypercorn's grace runs past ours by this much, so the app ends streams, not Hypercorn.
 _HYPERCORN_EXTRA_GRACE_S = 1.0
 
 
-def parse_bytes(text: str) -> int:
-    """'2GiB', '512MiB', '1.5GB', '1000000' -> bytes."""
-    m = _SIZE.fullmatch(text)
-    unit = m.group(2).lower() if m else ""
-    if m is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 2GiB, 512MiB, 1000000)")
-    size = int(float(m.group(1)) * _UNITS[unit])
-    if size < 1:  # every size flag sizes something that must hold at least a byte
-        raise argparse.ArgumentTypeError(f"must be a size > 0, got {text!r}")
-    return size
-
-
 def add_args(p: argparse.ArgumentParser) -> None:
-    a = p.add_argument
-    a("--host", default="127.0.0.1")
-    a("--port", type=flags.port, default=8000, help="0 picks a free port (logged once bound)")
+    """`serve`'s flags, in --help's three groups: the model, the engine, the HTTP server."""
+    _model_args(p.add_argument_group("model"))
+    _engine_args(p.add_argument_group("engine"))
+    _http_args(p.add_argument_group("HTTP server"))
+
+
+def _model_args(g: argparse._ArgumentGroup) -> None:
+    a = g.add_argument
     a("--model", default="smollm2", help="smollm2, stub, or a path to a Llama folder or GGUF")
     a("--served-model-name", type=flags.non_empty, default=None,
       help="the name clients use (default: --model)")
@@ -95,24 +84,34 @@ def add_args(p: argparse.ArgumentParser) -> None:
       default=DEFAULT_HEARTBEAT_TIMEOUT_S, metavar="SECONDS",
       help="seconds a tensor-parallel rank may go silent (stopped, hung) before it is taken as "
       f"lost: the engine fails and /health answers 503 [{DEFAULT_HEARTBEAT_TIMEOUT_S:g}]")
+    a("--chat-template", default=None, help="a Jinja template, or a file holding one")
+
+
+def _engine_args(g: argparse._ArgumentGroup) -> None:
+    a = g.add_argument
     a("--block-size", type=flags.positive_int, default=16)
-    kv = p.add_mutually_exclusive_group()
+    kv = g.add_mutually_exclusive_group()
     kv.add_argument("--num-blocks", type=flags.positive_int, default=None)
-    kv.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+    kv.add_argument("--kv-cache-memory", type=flags.size_bytes, default=None,
                     help="bytes for the KV pool, e.g. 2GiB")
     a("--max-num-seqs", type=flags.positive_int, default=64)
     a("--max-num-batched-tokens", type=flags.positive_int, default=512)
     a("--max-model-len", type=flags.positive_int, default=None)
     a("--seed", type=flags.int64, default=0)
-    a("--api-key", type=flags.non_empty, default=None, help="require 'Authorization: Bearer KEY' "
-      "(default: $NANOSERVE_API_KEY)")
     a("--max-queue", type=flags.non_negative_int, default=1024,
       help="waiting requests beyond which new ones get 429")
-    a("--max-body-bytes", type=parse_bytes, default=16 << 20)
+
+
+def _http_args(g: argparse._ArgumentGroup) -> None:
+    a = g.add_argument
+    a("--host", default="127.0.0.1")
+    a("--port", type=flags.port, default=8000, help="0 picks a free port (logged once bound)")
+    a("--api-key", type=flags.non_empty, default=None, help="require 'Authorization: Bearer KEY' "
+      "(default: $NANOSERVE_API_KEY)")
+    a("--max-body-bytes", type=flags.size_bytes, default=16 << 20)
     a("--body-timeout", type=flags.positive_float, default=30.0,
       help="seconds to receive a request body before answering 408")
     a("--shutdown-grace", type=flags.non_negative_float, default=10.0)
-    a("--chat-template", default=None, help="a Jinja template, or a file holding one")
     a("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     a("--record", type=flags.output_file, default=None, metavar="FILE",
       help="write a trace of the traffic to FILE at shutdown (sim replay repeats it)")

@@ -61,13 +61,14 @@ async def test_sigterm_ends_streams_with_done_and_exits_zero() -> None:
 
 
 def test_serve_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nanoserve import flags
     from nanoserve.server import main
 
-    assert main.parse_bytes("2GiB") == 2 << 30
-    assert main.parse_bytes("1.5 GB") == 1_500_000_000
-    assert main.parse_bytes("4096") == 4096
+    assert flags.size_bytes("2GiB") == 2 << 30
+    assert flags.size_bytes("1.5 GB") == 1_500_000_000
+    assert flags.size_bytes("4096") == 4096
     with pytest.raises(argparse.ArgumentTypeError):
-        main.parse_bytes("2 gallons")
+        flags.size_bytes("2 gallons")
     p = argparse.ArgumentParser()
     main.add_args(p)
     monkeypatch.setenv("NANOSERVE_API_KEY", "from-env")
