@@ -80,8 +80,9 @@ def batched_bench(bins: Path, gguf: Path) -> dict[str, float]:
     return {"pp_tok_s": float(cells[5]), "tg_tok_s": float(cells[7])}
 
 
-def nanoserve_bench(n: int, isa: str) -> dict[str, Any]:
-    out = subprocess.run([PY, "-m", "nanoserve.cli", "bench", "--n", str(n), "--quiet"],
+def nanoserve_bench(n: int, isa: str, int8: bool = False) -> dict[str, Any]:
+    flag = ["--int8-activations"] if int8 else []
+    out = subprocess.run([PY, "-m", "nanoserve.cli", "bench", "--n", str(n), "--quiet", *flag],
                          check=True, capture_output=True, text=True, env=nanoserve_env(isa))
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
@@ -94,7 +95,8 @@ def serve(kind: str, bins: Path, gguf: Path, port: int, isa: str, quantization: 
                "--host", "127.0.0.1", "--port", str(port)]
     else:
         cmd = [PY, "-m", "nanoserve.cli", "serve", "--port", str(port), "--log-level",
-               "warning", "--quantization", quantization]
+               "warning", "--quantization", quantization,
+               *(["--int8-activations"] if kind == "nanoserve-int8" else [])]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env=nanoserve_env(isa))
     wait_healthy(f"http://127.0.0.1:{port}", proc, 600)
@@ -146,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="native: each at its best here; avx2: both built or forced to AVX2")
     ap.add_argument("--offline-n", type=int, default=32,
                     help="requests of the offline `nanoserve bench --n` [32]")
+    ap.add_argument("--int8-activations", action="store_true",
+                    help="also nanoserve with --int8-activations, offline and online")
     a = ap.parse_args(argv)
     from nanoserve.model.loader import embedded_gguf_path
 
@@ -157,13 +161,16 @@ def main(argv: list[str] | None = None) -> int:
           f"{gguf.name}; llama.cpp from {bins}; --isa {a.isa}", flush=True)
     r: dict[str, Any] = {"isa": a.isa, "llama_bench": llama_bench(bins, gguf),
                          "nanoserve_bench": nanoserve_bench(a.offline_n, a.isa)}
+    if a.int8_activations:
+        r["nanoserve_bench_int8"] = nanoserve_bench(a.offline_n, a.isa, int8=True)
     print(f"batch-1 decode: llama-bench tg64 {r['llama_bench']['tg64']} tok/s, nanoserve "
           f"{r['nanoserve_bench']['single_decode_tokens_per_s']} tok/s", flush=True)
     r["llama_batched_bench"] = batched_bench(bins, gguf)
     url = f"http://127.0.0.1:{a.port}"
     use_guidellm = not a.no_guidellm and GUIDELLM.exists()
     for k in range(a.rounds):
-        for kind in ("llama-server", "nanoserve"):
+        for kind in ("llama-server", "nanoserve",
+                     *(["nanoserve-int8"] if a.int8_activations else [])):
             proc = serve(kind, bins, gguf, a.port, a.isa)
             try:
                 model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
@@ -204,6 +211,7 @@ def report(r: dict[str, Any]) -> str:
         f"tok/s ({nb['output_tokens_per_s'] / r['llama_batched_bench']['tg_tok_s']:.2f}x "
         f"llama-batched-bench's TG), {nb['fraction_of_mm_peak']:.0%} of a 2048 mm's "
         f"{nb['mm2048_gflops']} GFLOP/s",
+        *([_int8_line(r["nanoserve_bench_int8"], r)] if "nanoserve_bench_int8" in r else []),
         f"RSS after one request, MiB: nanoserve Q4_1 {r['rss_mib']['auto']}, float32 "
         f"{r['rss_mib']['none']}",
     ]
@@ -214,14 +222,26 @@ def report(r: dict[str, Any]) -> str:
         key = "output_tok_s" if what == "online" else "output_tok_per_s"
         p99 = "ttft_p99_ms" if what == "online" else "ttft_ms_p99"
         for c in (1, 16):
-            ours, peer = runs[f"nanoserve c{c}"], runs[f"llama-server c{c}"]
-            mo = sum(x[key] for x in ours) / len(ours)
+            peer = runs[f"llama-server c{c}"]
             mp = sum(x[key] for x in peer) / len(peer)
-            lines.append(
-                f"{what} {c} stream{'s' if c > 1 else ''}: nanoserve {mo:.1f} tok/s, "
-                f"llama-server {mp:.1f} ({mo / mp:.2f}x); p99 TTFT ms "
-                f"{[round(x[p99]) for x in ours]} vs {[round(x[p99]) for x in peer]}")
+            for kind in ("nanoserve", "nanoserve-int8"):
+                ours = runs.get(f"{kind} c{c}")
+                if not ours:
+                    continue
+                mo = sum(x[key] for x in ours) / len(ours)
+                lines.append(
+                    f"{what} {c} stream{'s' if c > 1 else ''}: {kind} {mo:.1f} tok/s, "
+                    f"llama-server {mp:.1f} ({mo / mp:.2f}x); p99 TTFT ms "
+                    f"{[round(x[p99]) for x in ours]} vs {[round(x[p99]) for x in peer]}")
     return "\n".join(lines)
+
+
+def _int8_line(nb: dict[str, Any], r: dict[str, Any]) -> str:
+    tg = r["llama_batched_bench"]["tg_tok_s"]
+    return (f"offline with --int8-activations: {nb['output_tokens_per_s']} output tok/s "
+            f"({nb['output_tokens_per_s'] / tg:.2f}x llama-batched-bench's TG; "
+            f"{nb['output_tokens_per_s'] / r['nanoserve_bench']['output_tokens_per_s']:.2f}x "
+            f"the exact path)")
 
 
 if __name__ == "__main__":
