@@ -17,6 +17,18 @@ import torch
 
 
 @dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """Llama 3.1's RoPE scaling (`rope_type: llama3`): frequencies whose wavelength exceeds
+    the original context divided by `low_freq_factor` are divided by `factor`, those below
+    it divided by `high_freq_factor` kept, and those between blended smoothly."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     """The shape of a Llama-family model (what config.json says, in our names)."""
 
@@ -33,6 +45,18 @@ class ModelConfig:
     tie_word_embeddings: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # Where an architecture departs from Llama 2 (model/architectures.py reads these from the
+    # checkpoint's config): its name, biases on the q/k/v projections (Qwen2), an RMSNorm of
+    # each q and k head before RoPE (Qwen3), and Llama 3.1's RoPE frequency scaling.
+    architecture: str = "llama"
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    rope_scaling: RopeScaling | None = None
+
+    @property
+    def plain_llama(self) -> bool:
+        """No departure that the fused decode stack and the tensor-parallel shards lack."""
+        return not (self.qkv_bias or self.qk_norm)
 
     def kv_bytes_per_token(self, elem_size: int) -> int:
         """KV-cache bytes one token takes: K and V, every layer, every KV head."""

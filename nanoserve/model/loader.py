@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nanoserve.model.architectures import model_config
 from nanoserve.model.base import ModelConfig
 from nanoserve.model.cache import cache_root
 from nanoserve.model.gguf import gguf_field, hf_config, read_gguf_weights, write_tokenizer
@@ -145,7 +146,7 @@ def gguf_path(name_or_path: str) -> Path | None:
 
 def load_model_config(folder: Path) -> ModelConfig:
     cfg: dict[str, Any] = json.loads((Path(folder) / "config.json").read_text())
-    return _model_config(cfg, str(folder))
+    return model_config(cfg, str(folder))
 
 
 def peek_config(name_or_path: str) -> ModelConfig:
@@ -168,32 +169,5 @@ def peek_config(name_or_path: str) -> ModelConfig:
     hidden, vocab = shapes["token_embd.weight"]  # GGUF lists dimensions innermost first
     cfg = hf_config(reader, vocab_size=vocab, hidden_size=hidden,
                      tied="output.weight" not in shapes)
-    return _model_config(cfg, str(gguf_path))
+    return model_config(cfg, str(gguf_path))
 
-
-def _model_config(cfg: dict[str, Any], where: str) -> ModelConfig:
-    if cfg.get("model_type", "llama") != "llama":
-        raise ValueError(f"{where}: only llama models are supported, got {cfg['model_type']!r}")
-    # transformers 5 writes `rope_parameters`, older versions `rope_theta` + `rope_scaling`.
-    rope = cfg.get("rope_parameters") or {}
-    for scaling in (cfg.get("rope_scaling") or {}, rope):
-        if scaling.get("rope_type", scaling.get("type", "default")) != "default":
-            raise ValueError(f"{where}: RoPE scaling {scaling} is not supported")
-    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-    eos = cfg.get("eos_token_id")
-    eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
-    return ModelConfig(
-        vocab_size=int(cfg["vocab_size"]),
-        hidden_size=hidden,
-        intermediate_size=int(cfg["intermediate_size"]),
-        num_layers=int(cfg["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
-        rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=tuple(int(e) for e in eos_ids),
-    )

@@ -29,6 +29,9 @@ class LayerWeights:
     mlp_norm: torch.Tensor  # [hidden]
     gate_up: Proj | QuantProj  # hidden -> 2 I: gate and up projections fused
     down: Proj | QuantProj  # I -> hidden
+    qkv_bias: torch.Tensor | None = None  # [(H + 2 KV) * D]: Qwen2's q, k and v biases
+    q_norm: torch.Tensor | None = None  # [D]: Qwen3's RMSNorm weight of every q head
+    k_norm: torch.Tensor | None = None  # [D]: and of every k head
 
 
 @dataclass(slots=True)
@@ -83,6 +86,10 @@ def place_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor | Quan
             mlp_norm=w(p + "post_attention_layernorm.weight"),
             gate_up=proj([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
             down=proj([p + "mlp.down_proj.weight"]),
+            qkv_bias=(torch.cat([w(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+                      if config.qkv_bias else None),
+            q_norm=w(p + "self_attn.q_norm.weight") if config.qk_norm else None,
+            k_norm=w(p + "self_attn.k_norm.weight") if config.qk_norm else None,
         ) for p in (f"model.layers.{i}." for i in range(config.num_layers))],
     )
 

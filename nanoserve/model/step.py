@@ -9,12 +9,13 @@ any layer runs. RoPE's tables live here too: built once per model, indexed here 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from nanoserve.model.attention import AttentionPlan, plan_attention
-from nanoserve.model.base import ForwardBatch, ModelConfig
+from nanoserve.model.base import ForwardBatch, ModelConfig, RopeScaling
 
 
 @dataclass(slots=True)
@@ -64,7 +65,23 @@ def rope_tables(config: ModelConfig, device: torch.device, dtype: torch.dtype
     product is exact to one rounding, as in the reference), duplicated for rotate_half."""
     d = config.head_dim
     inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, d, 2).float() / d)  # [D/2]
+    if config.rope_scaling is not None:
+        inv_freq = llama3_frequencies(inv_freq, config.rope_scaling)
     pos = torch.arange(config.max_position_embeddings, dtype=torch.float32)
     angles = torch.outer(pos, inv_freq)
     angles = torch.cat((angles, angles), dim=-1)  # [P, D]
     return angles.cos().to(device, dtype), angles.sin().to(device, dtype)
+
+
+def llama3_frequencies(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Llama 3.1's scaled RoPE frequencies: long wavelengths (beyond the original context
+    over low_freq_factor) slowed by `factor`, short ones (under it over high_freq_factor)
+    kept, and in between a linear blend of the two in the context-to-wavelength ratio."""
+    ctx = float(s.original_max_position_embeddings)
+    wavelen = 2 * math.pi / inv_freq
+    ratio = ctx / wavelen  # how many wavelengths fit in the original context
+    blend = (ratio - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    blended = (1 - blend) * inv_freq / s.factor + blend * inv_freq
+    out = torch.where(wavelen > ctx / s.low_freq_factor, inv_freq / s.factor, inv_freq)
+    middle = (wavelen >= ctx / s.high_freq_factor) & (wavelen <= ctx / s.low_freq_factor)
+    return torch.where(middle, blended, out)
