@@ -13,6 +13,7 @@ is missing fails its row instead of starting a server.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -99,6 +100,9 @@ CASES: list[Any] = [
      S + "argument --allowed-headers: must be a JSON list of strings, e.g. '[\"*\"]', got "
      "'[\"x\", 1]'"),
     # serve: the checks before the bind, and the bind
+    ("nanoserve", ["serve", "--model", "{tmp}/gpt2"],
+     S + "--model {tmp}/gpt2: {tmp}/gpt2: architecture 'gpt2' is not supported; nanoserve "
+     "runs llama, mistral, qwen2, qwen3"),
     ("nanoserve", _serve("--host", "256.1.1.1"),
      re.compile(re.escape(S + "--host 256.1.1.1: not an address or a name that resolves (") +
                 ".+\\)")),
@@ -233,6 +237,13 @@ def tmp(tmp_path: Path) -> Path:
         b'{"nanoserve_trace": 1, "clock": "step", "model": "stub"}\n'
         b'{"id": "r1", "at_step": 0, "body": {"prompt": "caf\xe9"}}\n')
     (tmp_path / "bad.jinja").write_text("{% for m in messages %}\n{{ m.content }}\n")
+    gpt2 = tmp_path / "gpt2"  # a folder of an architecture nanoserve does not have
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({
+        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 50257,
+        "hidden_size": 768, "num_attention_heads": 12, "num_hidden_layers": 12}))
+    for name in ("tokenizer.json", "model.safetensors"):
+        (gpt2 / name).write_text("")
     return tmp_path
 
 
