@@ -1,13 +1,15 @@
-"""Reading a llama GGUF file: its tensors under Hugging Face names, its metadata as a
-Hugging Face config, and its tokenizer.
+"""Reading a GGUF file (llama, qwen2 or qwen3): its tensors under Hugging Face names, its
+metadata as a Hugging Face config, and its tokenizer.
 
-The one subtle step is the Q/K row order. llama.cpp's default RoPE rotates *adjacent* pairs
-of a head's dimensions, (2i, 2i+1), by angle pos * theta_i, while the Hugging Face layout
-(`rotate_half`) rotates the pair (i, i + d/2) by that same angle. llama.cpp's converter
-therefore permutes the rows of each head's Q and K projection so that GGUF row 2i is HF row i
-and GGUF row 2i+1 is HF row i + d/2: per head, the d rows are viewed as [2, d/2] and
-transposed to [d/2, 2]. We undo it by viewing them as [d/2, 2] and transposing back. Only
-Q and K are permuted (V and O do not see RoPE), and K uses the KV head count.
+The one subtle step is the Q/K row order of a llama file. llama.cpp's default RoPE rotates
+*adjacent* pairs of a head's dimensions, (2i, 2i+1), by angle pos * theta_i, while the
+Hugging Face layout (`rotate_half`) rotates the pair (i, i + d/2) by that same angle.
+llama.cpp's converter therefore permutes the rows of each head's Q and K projection so that
+GGUF row 2i is HF row i and GGUF row 2i+1 is HF row i + d/2: per head, the d rows are
+viewed as [2, d/2] and transposed to [d/2, 2]. We undo it by viewing them as [d/2, 2] and
+transposing back. Only Q and K are permuted (V and O do not see RoPE), and K uses the KV
+head count. Qwen files are not permuted: llama.cpp runs their RoPE in the Hugging Face
+(NEOX) pairing.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ import numpy as np
 
 log = logging.getLogger("nanoserve.model.loader")
 
+# The GGUF architectures nanoserve reads (general.architecture); each is its own metadata
+# key prefix and model_type.
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 # GGUF per-layer tensor name -> Hugging Face Llama name (after "model.layers.{i}.").
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -32,6 +37,8 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3
+    "attn_k_norm": "self_attn.k_norm",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -43,6 +50,21 @@ _GLOBAL_NAMES = {
 def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
     return default if f is None else f.contents()
+
+
+def gguf_architecture(reader: Any, where: Path) -> str:
+    """The file's architecture, or a ValueError naming those nanoserve reads; and any
+    RoPE scaling it declares, refused (Llama 3.1's comes as a rope_freqs tensor)."""
+    arch = gguf_field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"{where}: GGUF architecture {arch!r} is not supported; nanoserve "
+                         f"reads {', '.join(GGUF_ARCHITECTURES)}")
+    scaling = gguf_field(reader, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none") or any(t.name == "rope_freqs.weight"
+                                            for t in reader.tensors):
+        raise ValueError(f"{where}: RoPE scaling in a GGUF file is not supported (a Hugging "
+                         "Face folder's llama3 rope_scaling is)")
+    return str(arch)
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -66,8 +88,10 @@ def read_gguf_weights(gguf: Path, *, keep: frozenset[str]) -> dict[str, Any]:
     from nanoserve.model.quant import QuantWeight
 
     reader = GGUFReader(gguf)
-    n_heads = int(gguf_field(reader, "llama.attention.head_count"))
-    n_kv = int(gguf_field(reader, "llama.attention.head_count_kv", n_heads))
+    arch = gguf_architecture(reader, gguf)
+    n_heads = int(gguf_field(reader, f"{arch}.attention.head_count"))
+    n_kv = int(gguf_field(reader, f"{arch}.attention.head_count_kv", n_heads))
+    permuted = arch == "llama"
     out: dict[str, Any] = {}
     for t in reader.tensors:
         fmt = t.tensor_type.name.lower()
@@ -76,9 +100,9 @@ def read_gguf_weights(gguf: Path, *, keep: frozenset[str]) -> dict[str, Any]:
         w = (np.array(t.data, dtype=np.uint8) if kept
              else np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
         name, kind = hf_name(gguf, t.name)
-        if kind == "attn_q":
+        if permuted and kind == "attn_q":
             w = unpermute_rope_rows(w, n_heads)
-        elif kind == "attn_k":
+        elif permuted and kind == "attn_k":
             w = unpermute_rope_rows(w, n_kv)
         tensor = torch.from_numpy(np.ascontiguousarray(w))
         out[name] = QuantWeight(tensor, fmt, int(t.shape[0])) if kept else tensor
@@ -90,36 +114,43 @@ def hf_name(gguf: Path, name: str) -> tuple[str, str | None]:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name], None
     blk, layer, kind, suffix = name.split(".")
-    if blk != "blk" or kind not in _LAYER_NAMES or suffix != "weight":
+    if blk != "blk" or kind not in _LAYER_NAMES or suffix not in ("weight", "bias"):
         raise ValueError(f"{gguf}: unexpected tensor {name}")
-    return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.weight", kind
+    return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}", kind
 
 
 def hf_config(reader: Any, *, vocab_size: int, hidden_size: int, tied: bool) -> dict[str, Any]:
-    n_heads = int(gguf_field(reader, "llama.attention.head_count"))
-    head_dim = int(gguf_field(reader, "llama.rope.dimension_count", hidden_size // n_heads))
+    arch = str(gguf_field(reader, "general.architecture"))
+
+    def field(key: str, default: Any = None) -> Any:
+        return gguf_field(reader, f"{arch}.{key}", default)
+
+    n_heads = int(field("attention.head_count"))
+    head_dim = int(field("attention.key_length", field("rope.dimension_count",
+                                                        hidden_size // n_heads)))
     eos = [int(gguf_field(reader, "tokenizer.ggml.eos_token_id"))]
     eot = gguf_field(reader, "tokenizer.ggml.eot_token_id")
     if eot is not None and int(eot) not in eos:
         eos.append(int(eot))
     bos = gguf_field(reader, "tokenizer.ggml.bos_token_id")
     # GGUF stores eps as float32 (9.9999997e-06); its 7 significant digits are all it means.
-    eps = float(f"{float(gguf_field(reader, 'llama.attention.layer_norm_rms_epsilon')):.7g}")
+    eps = float(f"{float(field('attention.layer_norm_rms_epsilon')):.7g}")
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                           "qwen3": "Qwen3ForCausalLM"}[arch]],
+        "model_type": arch,
         "vocab_size": vocab_size,
         "hidden_size": hidden_size,
-        "intermediate_size": int(gguf_field(reader, "llama.feed_forward_length")),
-        "num_hidden_layers": int(gguf_field(reader, "llama.block_count")),
+        "intermediate_size": int(field("feed_forward_length")),
+        "num_hidden_layers": int(field("block_count")),
         "num_attention_heads": n_heads,
-        "num_key_value_heads": int(gguf_field(reader, "llama.attention.head_count_kv", n_heads)),
+        "num_key_value_heads": int(field("attention.head_count_kv", n_heads)),
         "head_dim": head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": eps,
-        "rope_theta": float(gguf_field(reader, "llama.rope.freq_base", 10000.0)),
+        "rope_theta": float(field("rope.freq_base", 10000.0)),
         "rope_scaling": None,
-        "max_position_embeddings": int(gguf_field(reader, "llama.context_length")),
+        "max_position_embeddings": int(field("context_length")),
         "tie_word_embeddings": tied,
         "attention_bias": False,
         "mlp_bias": False,

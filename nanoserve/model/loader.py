@@ -24,7 +24,12 @@ from typing import Any
 from nanoserve.model.architectures import model_config
 from nanoserve.model.base import ModelConfig
 from nanoserve.model.cache import cache_root
-from nanoserve.model.gguf import gguf_field, hf_config, read_gguf_weights, write_tokenizer
+from nanoserve.model.gguf import (
+    gguf_architecture,
+    hf_config,
+    read_gguf_weights,
+    write_tokenizer,
+)
 
 log = logging.getLogger(__name__)
 
@@ -116,11 +121,7 @@ def convert_gguf(gguf_path: Path, out: Path, *, sha256: str | None = None) -> No
     from safetensors.torch import save_file
 
     reader = GGUFReader(gguf_path)
-    arch = gguf_field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{gguf_path}: only llama GGUF files are supported, got {arch!r}")
-    if gguf_field(reader, "llama.rope.scaling.type") not in (None, "none"):
-        raise ValueError(f"{gguf_path}: RoPE scaling is not supported")
+    gguf_architecture(reader, gguf_path)
 
     tensors = read_gguf_weights(gguf_path, keep=frozenset())  # all float32
     log.info("dequantized %d tensors", len(tensors))
@@ -163,8 +164,7 @@ def peek_config(name_or_path: str) -> ModelConfig:
     from gguf import GGUFReader
 
     reader = GGUFReader(gguf_path)
-    if gguf_field(reader, "general.architecture") != "llama":
-        raise ValueError(f"{gguf_path}: only llama GGUF files are supported")
+    gguf_architecture(reader, gguf_path)
     shapes = {t.name: [int(d) for d in t.shape] for t in reader.tensors}
     hidden, vocab = shapes["token_embd.weight"]  # GGUF lists dimensions innermost first
     cfg = hf_config(reader, vocab_size=vocab, hidden_size=hidden,

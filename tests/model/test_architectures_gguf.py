@@ -1,0 +1,68 @@
+"""Token identity with transformers for GGUF files of each architecture nanoserve reads
+from GGUF (llama, qwen2, qwen3), written with gguf-py as llama.cpp's converter writes them
+(tests/support/write_gguf.py), in F32 or Q8_0.
+
+nanoserve reads the file itself (metadata, tokenizer, tensors: Q8_0 blocks kept as blocks);
+transformers reads the same file through its own GGUF loader (`gguf_file=`), which
+dequantizes it. Both see the same values, so greedy 32 tokens on 8 prompts, alone and
+batched with chunking and preemption, must be equal under the near-tie rule.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from support.reference import MAX_NEW_TOKENS, RefCase
+from support.tiny_checkpoints import (
+    PROMPTS,
+    check_alone_and_batched,
+    reference_cases,
+    write_checkpoint,
+)
+from support.write_gguf import write_gguf
+
+from nanoserve.model import load
+from nanoserve.model.quant import QuantProj
+
+# GGUF architecture -> the tiny checkpoint it is written from (Mistral's shape is a llama
+# file in llama.cpp: the converter writes it so).
+KINDS = {"llama": "mistral", "qwen2": "qwen2-untied", "qwen3": "qwen3"}
+
+
+# Each architecture once (a file's setup costs transformers' GGUF reading twice), F32 and
+# Q8_0 both covered: F32 tensors become float32 projections, Q8_0 stay blocks.
+@pytest.fixture(scope="module", params=[("llama", "F32"), ("qwen2", "Q8_0"), ("qwen3", "Q8_0")],
+                ids=lambda p: f"{p[0]}-{p[1]}")
+def gguf_file(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+              smollm2_folder: Path) -> tuple[str, str, Path, list[RefCase]]:
+    import transformers
+
+    arch, quant = request.param
+    folder = tmp_path_factory.mktemp(f"{arch}-{quant}")
+    hf = write_checkpoint(KINDS[arch], folder, smollm2_folder)
+    tensors = dict(hf.state_dict())
+    if hf.config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    path = write_gguf(folder / f"tiny-{arch}.gguf", arch, hf.config, tensors, quant)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=path.name, dtype=torch.float32).eval()
+    with pytest.MonkeyPatch.context() as mp:  # the conversion's cache, not the user's
+        mp.setattr("nanoserve.model.loader.cache_root", lambda _=None: folder / "cache")
+        _, tok = load(str(path))
+        cases = reference_cases(arch, ref, tok)
+    return arch, quant, path, cases
+
+
+def test_greedy_from_the_gguf_matches_transformers_reading_it(
+        gguf_file: tuple[str, str, Path, list[RefCase]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    arch, quant, path, cases = gguf_file
+    monkeypatch.setattr("nanoserve.model.loader.cache_root",
+                        lambda _=None: path.parent / "cache")
+    model, tok = load(str(path))
+    assert model.config.architecture == arch
+    assert isinstance(model.layers[0].qkv, QuantProj) == (quant == "Q8_0")
+    compared = check_alone_and_batched(model, tok, cases)
+    assert compared >= 0.75 * len(PROMPTS) * MAX_NEW_TOKENS, compared

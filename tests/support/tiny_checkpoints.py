@@ -1,0 +1,114 @@
+"""Tiny random-weight checkpoints of each architecture, built from transformers' own config
+classes (no download), and the greedy reference runs of transformers on them.
+
+Each switches its architecture's quirks on: Llama 3.1's RoPE scaling with an untied head,
+Qwen2's q/k/v biases (tied and untied), Qwen3's q/k norms, Mistral's shape. The weights are
+drawn wider than transformers' initializer (std 0.02 makes every logit nearly equal, and
+every divergence a near tie); `check_runs` returns how many positions were compared, not
+excused, so a test can assert the comparison had teeth.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nanoserve.sampling.params import SamplingParams
+from nanoserve.tokenizer import Tokenizer
+from support.reference import MAX_NEW_TOKENS, RefCase, compare_greedy, hf_greedy
+
+SHAPE = {"vocab_size": 49152, "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "head_dim": 16, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+         "bos_token_id": 1, "eos_token_id": 2}
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama3": ("LlamaConfig", {"tie_word_embeddings": False, "rope_scaling": LLAMA3_ROPE}),
+    "mistral": ("MistralConfig", {"tie_word_embeddings": False, "sliding_window": None}),
+    "qwen2-tied": ("Qwen2Config", {"tie_word_embeddings": True}),
+    "qwen2-untied": ("Qwen2Config", {"tie_word_embeddings": False}),
+    # head_dim 128 beside hidden 64 / 4 heads: Qwen3 sets it apart (all its sizes use 128,
+    # and transformers' GGUF reader assumes it)
+    "qwen3": ("Qwen3Config", {"tie_word_embeddings": True, "head_dim": 128}),
+}
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a land",
+           "1, 2, 3, 4, 5,", "Les élèves ont écrit", "日本の首都は",
+           "A long prompt that runs over several chunks of the step budget: " * 3,
+           "Q: What is 17 times 3?\nA:"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+
+
+def write_checkpoint(kind: str, folder: Path, tokenizer_folder: Path) -> Any:
+    """The checkpoint `kind` in `folder`, and its transformers model (float32, eval)."""
+    import transformers
+
+    cls_name, extra = CASES[kind]
+    config = getattr(transformers, cls_name)(**{**SHAPE, **extra})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            else:  # matrices and biases, wide enough that greedy picks are rarely near ties
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    model.eval()
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_folder / name, folder / name)
+    return model
+
+
+def reference_cases(kind: str, hf: Any, tok: Tokenizer) -> list[RefCase]:
+    """transformers' greedy run of every prompt, as the reference oracle's cases."""
+    cases = []
+    for i, text in enumerate(PROMPTS):
+        ids = tok.encode(text)
+        ref = hf_greedy(hf, ids)
+        cases.append(RefCase(f"{kind}/{i}", text, tuple(ids), tuple(ref["tokens"]),
+                             tuple(ref["margins"]), tuple(tuple(p) for p in ref["top5"])))
+    return cases
+
+
+def check_runs(cases: Sequence[RefCase], got: dict[str, list[int]]) -> int:
+    """Assert each run matches; return how many positions were compared before a tie."""
+    problems: list[str] = []
+    compared = 0
+    for case in cases:
+        bad, ties = compare_greedy(case, got[case.name])
+        problems += bad
+        compared += ties[0] if ties else len(case.tokens)
+    assert not problems, "\n".join(problems)
+    return compared
+
+
+def check_alone_and_batched(model: Any, tok: Tokenizer, cases: Sequence[RefCase]) -> int:
+    """Run every case alone, then all in one batch with chunked prefill (24 tokens a step)
+    and preemption (24 blocks of 8 slots for sequences of ~50 tokens each), each checked
+    against the reference; returns the positions compared in the runs alone."""
+    from nanoserve.config import EngineConfig
+    from nanoserve.engine.engine import Engine
+    from support.drain import drain, tokens
+
+    alone = Engine(model, tok, EngineConfig(block_size=16, num_blocks=64, max_model_len=512,
+                                            prefix_caching=False))
+    got: dict[str, list[int]] = {}
+    for case in cases:
+        alone.add_request(list(case.prompt_ids), GREEDY, case.name)
+        got |= tokens(drain(alone))
+    compared = check_runs(cases, got)
+    batched = Engine(model, tok, EngineConfig(block_size=8, num_blocks=24, max_model_len=128,
+                                              max_num_batched_tokens=24))
+    for case in cases:
+        batched.add_request(list(case.prompt_ids), GREEDY, case.name)
+    check_runs(cases, tokens(drain(batched)))
+    assert batched.statistics().preemptions >= 1
+    assert batched.pool.num_free == 24
+    return compared

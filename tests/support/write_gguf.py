@@ -1,0 +1,91 @@
+"""A GGUF file written with gguf-py from a Hugging Face checkpoint's tensors, laid out as
+llama.cpp's converter lays one out, for tests that read GGUF files of architectures the
+embedded model is not: the metadata under the architecture's own key prefix, llama files'
+Q/K rows permuted to llama.cpp's RoPE pairing (Qwen files are not), and the tokenizer's
+fields copied from SmolLM2's own GGUF (a byte-level BPE vocabulary of 49,152 tokens).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from gguf.quants import quantize
+
+from nanoserve.model.loader import embedded_gguf_path
+
+# Hugging Face per-layer names -> GGUF ones (after "model.layers.{i}." / "blk.{i}.").
+_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+          "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight",
+           "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+_TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
+                   "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
+                   "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+                   "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id",
+                   "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_space_prefix")
+
+
+def permute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's converter's per-head Q/K row interleave (the inverse of the reader's)."""
+    d = w.shape[0] // n_heads
+    return w.reshape(n_heads, 2, d // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_name(hf: str) -> str:
+    if hf in _GLOBAL:
+        return _GLOBAL[hf]
+    _, _, layer, rest = hf.split(".", 3)
+    base, suffix = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_LAYER[base]}.{suffix}"
+
+
+def write_gguf(path: Path, arch: str, config: Any, tensors: dict[str, torch.Tensor],
+               quant: str = "F32") -> Path:
+    """Write `tensors` (Hugging Face names, float32) as a GGUF of `arch` ("llama", "qwen2",
+    "qwen3"); matrices in `quant` ("F32" or "Q8_0"), vectors (norms, biases) in F32."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(config.num_hidden_layers)
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.num_attention_heads)
+    w.add_head_count_kv(config.num_key_value_heads)
+    w.add_key_length(config.head_dim)
+    w.add_value_length(config.head_dim)
+    w.add_rope_dimension_count(config.head_dim)
+    w.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    _copy_tokenizer(w)
+    for name, t in tensors.items():
+        a = t.detach().float().numpy()
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = (config.num_attention_heads if "q_proj" in name
+                     else config.num_key_value_heads)
+            a = permute_rope_rows(a, heads)
+        if quant == "Q8_0" and a.ndim == 2:
+            w.add_tensor(gguf_name(name), quantize(a, gguf.GGMLQuantizationType.Q8_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(gguf_name(name), np.ascontiguousarray(a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _copy_tokenizer(w: gguf.GGUFWriter) -> None:
+    reader = gguf.GGUFReader(embedded_gguf_path())
+    for key in _TOKENIZER_KEYS:
+        field = reader.fields[key]
+        value = field.contents()
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, value, vtype, sub_type=sub)
