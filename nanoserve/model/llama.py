@@ -216,21 +216,9 @@ class LlamaModel:
         if layer.qkv_bias is not None:
             qkv += layer.qkv_bias
         if layer.q_norm is not None and layer.k_norm is not None:
-            self._norm_heads(qkv, layer.q_norm, layer.k_norm)
+            ops.norm_qk_heads(qkv, shape, layer.q_norm, layer.k_norm, c.rms_norm_eps)
         q, k, v = ops.rope_store(qkv, shape, plan.cos, plan.sin, plan.positions,
                                  plan.slot_mapping, k_cache, v_cache,
                                  native=self.kernels if self.native_layers else None)
         out = attend(q, k, v, k_cache, v_cache, plan.attention, self.kernels)  # [T, H, D]
         return layer.o(out.view(h.shape[0], -1))  # [T, hidden]
-
-    def _norm_heads(self, qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor
-                    ) -> None:
-        """Qwen3: every q and k head RMS-normed over its D values, in place, before RoPE."""
-        c = self.config
-        t, q_width = qkv.shape[0], c.num_heads * c.head_dim
-        k_width = c.num_kv_heads * c.head_dim
-        for start, width, heads, weight in ((0, q_width, c.num_heads, q_norm),
-                                            (q_width, k_width, c.num_kv_heads, k_norm)):
-            part = qkv[:, start:start + width].reshape(t, heads, c.head_dim)
-            qkv[:, start:start + width] = ops.rms_norm(
-                part, weight, c.rms_norm_eps, native=None).reshape(t, width)
