@@ -7,8 +7,10 @@ detokenizer sees the same multi-byte fragments with the stub as with real weight
 
 from __future__ import annotations
 
+import datetime
 import json
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -109,8 +111,12 @@ class Tokenizer:
         *,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        now: Callable[[], float] = time.time,
     ) -> str:
-        """Render `messages` with the model's (or the given) Jinja chat template."""
+        """Render `messages` with the model's (or the given) Jinja chat template. As in
+        transformers, a template may call `strftime_now(fmt)` (Llama 3.x puts today's date in
+        its system header): the date of `now()`, epoch seconds, local time; the server passes
+        its own clock, so a replay renders the same text on any day."""
         template = chat_template or self.chat_template
         if template is None:
             raise ValueError("this model has no chat template; pass one with --chat-template")
@@ -119,7 +125,11 @@ class Tokenizer:
         def raise_exception(message: str) -> None:
             raise jinja2.exceptions.TemplateError(message)
 
+        def strftime_now(fmt: str) -> str:
+            return datetime.datetime.fromtimestamp(now()).strftime(fmt)
+
         env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = strftime_now
         return env.from_string(template).render(
             messages=list(messages),
             add_generation_prompt=add_generation_prompt,

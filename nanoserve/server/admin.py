@@ -70,7 +70,7 @@ async def tokenize() -> Response:
     req = validate(r.api.tokenize, body)
     if req.messages is not None:
         text = parse.chat_text(req.messages, req.add_generation_prompt, r.tokenizer,
-                               st.config.chat_template)
+                               st.config.chat_template, st.now)
     elif req.prompt is None:
         raise bad_request("prompt", "prompt (a string) or messages is required", "missing")
     else:

@@ -82,5 +82,6 @@ def register(app: Quart) -> None:
     async def chat_completions() -> Response:
         st = current_state()
         r = ready(st)
-        req = parse.chat(await read_json(), r.api, r.tokenizer, st.config.chat_template)
+        req = parse.chat(await read_json(), r.api, r.tokenizer, st.config.chat_template,
+                         st.now)
         return await _generate(st, r, "chat", req, None)

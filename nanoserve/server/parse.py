@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,10 +160,11 @@ def completion(body: Mapping[str, Any], api: Protocol) -> GenerateRequest:
 
 
 def chat(
-    body: Mapping[str, Any], api: Protocol, tokenizer: Tokenizer, template: str | None
+    body: Mapping[str, Any], api: Protocol, tokenizer: Tokenizer, template: str | None,
+    now: Callable[[], float] = time.time,
 ) -> GenerateRequest:
     req = _checked(body, api.chat, api.served)
-    text = chat_text(req.messages, req.add_generation_prompt, tokenizer, template)
+    text = chat_text(req.messages, req.add_generation_prompt, tokenizer, template, now)
     fields = _sampling_fields(req)
     # max_completion_tokens replaced max_tokens in the chat API; the newer one wins.
     if req.max_completion_tokens is not None:
@@ -185,14 +187,16 @@ def chat(
 
 
 def chat_text(messages: Sequence[Message], add_generation_prompt: bool | None,
-              tokenizer: Tokenizer, template: str | None) -> str:
-    """`messages` rendered through the chat template (the server's, else the model's)."""
+              tokenizer: Tokenizer, template: str | None,
+              now: Callable[[], float] = time.time) -> str:
+    """`messages` rendered through the chat template (the server's, else the model's);
+    `now` is the clock a template's `strftime_now` reads (the app's injected one)."""
     try:
         return tokenizer.apply_chat_template(
             [m.as_dict() for m in messages],
             add_generation_prompt=True if add_generation_prompt is None
             else add_generation_prompt,
-            chat_template=template,
+            chat_template=template, now=now,
         )
     except Exception as exc:  # jinja's TemplateError, or a template that raises on roles
         raise bad_request("messages", f"the chat template rejected the messages: {exc}") from None

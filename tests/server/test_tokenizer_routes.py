@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import time
+
 from support.http_harness import serving, stub_parts
-from support.server_harness import make_app
+from support.server_harness import CREATED, make_app
 from transformers import PreTrainedTokenizerFast
 
 from nanoserve.model.loader import resolve_model
@@ -54,3 +56,20 @@ async def test_tokenizer_info_needs_the_key() -> None:
                             headers={"authorization": f"Bearer {SECRET}"})
         assert r.status == 200
         assert r.json()["tokenizer_class"] == "TokenizersBackend"
+
+
+async def test_a_templates_date_is_the_apps_clock() -> None:
+    # Llama 3.x's template puts strftime_now's date in its header; the app's injected clock
+    # (fixed here, CREATED) is the one it reads, so a replay renders the same prompt any day.
+    template = "{{ strftime_now('%d %b %Y') }}|{{ messages[0]['content'] }}"
+    day = time.strftime("%d %b %Y", time.localtime(CREATED))
+    async with serving(make_app(chat_template=template)) as h:
+        body = {"messages": [{"role": "user", "content": "hi"}]}
+        ids = (await h.post("/tokenize", body)).json()["tokens"]
+        assert stub_parts()[1].decode(ids) == f"{day}|hi"
+        # the chat route renders the same prompt: its prompt tokens are those ids
+        r = await h.post("/v1/chat/completions", {**body, "model": "stub", "max_tokens": 1,
+                                                  "prompt_logprobs": 0})
+        scored = r.json()["prompt_logprobs"]
+        assert [int(next(iter(e))) for e in scored[1:]] == ids[1:]
+        assert r.json()["usage"]["prompt_tokens"] == len(ids)
