@@ -95,6 +95,7 @@ def _stub(device: str, eos_prob: float, tensor_parallel_size: int) -> tuple[Mode
     tok = Tokenizer.from_folder(resolve_model("smollm2"))
     return StubModel(tok, eos_prob=eos_prob, device=device), tok
 
+
 def kv_geometry(name: str, dtype: str = "float32", tensor_parallel_size: int = 1
                 ) -> tuple[int, int]:
     """(context length, KV-cache bytes per token) of the model `load(name, dtype=dtype)`
