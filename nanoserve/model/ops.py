@@ -27,7 +27,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, native: Kerne
     return weight * xf.to(x.dtype)
 
 
-
 def norm_qk_heads(qkv: torch.Tensor, shape: tuple[int, int, int], q_norm: torch.Tensor,
                   k_norm: torch.Tensor, eps: float) -> None:
     """Qwen3: every q and k head of `qkv` [T, (H + 2 KV) * D] RMS-normed over its D values,
@@ -38,6 +37,7 @@ def norm_qk_heads(qkv: torch.Tensor, shape: tuple[int, int, int], q_norm: torch.
         part = qkv[:, start:start + heads * d]
         part.copy_(rms_norm(part.reshape(t, heads, d), weight, eps, native=None)
                    .reshape(t, heads * d))
+
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, *,
                  native: Kernels | None) -> torch.Tensor:
