@@ -102,7 +102,7 @@ CASES: list[Any] = [
     # serve: the checks before the bind, and the bind
     ("nanoserve", ["serve", "--model", "{tmp}/gpt2"],
      S + "--model {tmp}/gpt2: {tmp}/gpt2: architecture 'gpt2' is not supported; nanoserve "
-     "runs llama, mistral, qwen2, qwen3"),
+     "runs llama, mistral, qwen2, qwen3, gemma3"),
     ("nanoserve", _serve("--host", "256.1.1.1"),
      re.compile(re.escape(S + "--host 256.1.1.1: not an address or a name that resolves (") +
                 ".+\\)")),

@@ -10,6 +10,12 @@ families really differ:
   mask's condition, query minus key position below the window, always holds).
 - `qwen2` (Qwen2, Qwen2.5): biases on the q, k and v projections.
 - `qwen3`: an RMSNorm over each q and k head before RoPE, no biases.
+- `gemma3` (`gemma3_text`, and the text part of a `gemma3` image-text config): Qwen3's head
+  norms, RMSNorms that scale by (1 + w), a norm on the attention and on the MLP output
+  before each residual add, gelu (tanh) on the gate, embeddings times sqrt(hidden), q.k
+  scaled by query_pre_attn_scalar ** -0.5, and two RoPE bases: `rope_local_base_freq` on
+  the sliding-window layers, `rope_theta` on the global ones. The window is honoured as
+  Mistral's is: the context is capped at it, so that no layer's window ever slides.
 
 The architecture is the config's `model_type`, else the first of `architectures` nanoserve
 knows; anything else is refused with one message that names what nanoserve runs.
@@ -17,6 +23,7 @@ knows; anything else is refused with one message that names what nanoserve runs.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -30,13 +37,18 @@ ARCHITECTURES: dict[str, tuple[str, ...]] = {
     "mistral": ("MistralForCausalLM",),
     "qwen2": ("Qwen2ForCausalLM",),
     "qwen3": ("Qwen3ForCausalLM",),
+    "gemma3": ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
 }
+# model_types that are another's text part under a name of their own
+_TEXT_TYPES = {"gemma3_text": "gemma3"}
 
 
 def architecture_of(cfg: dict[str, Any], where: str) -> str:
     """The architecture a config names, or a ValueError that lists the ones nanoserve has."""
     model_type = cfg.get("model_type")
     names = list(cfg.get("architectures") or [])
+    if model_type in _TEXT_TYPES:
+        return _TEXT_TYPES[str(model_type)]
     if model_type in ARCHITECTURES:
         return str(model_type)
     for arch, classes in ARCHITECTURES.items():
@@ -51,8 +63,10 @@ def architecture_of(cfg: dict[str, Any], where: str) -> str:
 def model_config(cfg: dict[str, Any], where: str) -> ModelConfig:
     """ModelConfig from a transformers config.json's fields."""
     arch = architecture_of(cfg, where)
+    if arch == "gemma3":
+        cfg = gemma3_text_config(cfg, where)
     act = cfg.get("hidden_act", "silu")
-    if act != "silu":
+    if act != "silu" and arch != "gemma3":  # (Gemma's is checked with its text config)
         raise ValueError(f"{where}: hidden_act {act!r} is not supported for {arch} (silu is)")
     if cfg.get("mlp_bias") or (arch != "qwen2" and cfg.get("attention_bias")):
         raise ValueError(f"{where}: biases on the o projection or the MLP are not supported")
@@ -67,7 +81,7 @@ def model_config(cfg: dict[str, Any], where: str) -> ModelConfig:
         log.info("%s: %s's sliding window of %d tokens never slides here: the context is "
                  "capped at it (max_position_embeddings %d)", where, arch, window, max_pos)
         max_pos = window
-    return ModelConfig(
+    config = ModelConfig(
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=hidden,
         intermediate_size=int(cfg["intermediate_size"]),
@@ -83,9 +97,80 @@ def model_config(cfg: dict[str, Any], where: str) -> ModelConfig:
         eos_token_ids=tuple(int(e) for e in eos_ids),
         architecture=arch,
         qkv_bias=arch == "qwen2",
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "gemma3"),
         rope_scaling=_rope_scaling(cfg, where),
     )
+    return _with_gemma3(config, cfg) if arch == "gemma3" else config
+
+
+# Gemma3TextConfig's defaults: an image-text `gemma3` config.json writes only the text
+# config's fields that differ from them (Gemma 3 4B: its sizes, RoPE scaling and window).
+GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+    "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "bos_token_id": 2,
+    "eos_token_id": 1, "tie_word_embeddings": True, "query_pre_attn_scalar": 256,
+    "sliding_window": 4096, "sliding_window_pattern": 6, "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+}
+
+
+def gemma3_text_config(cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    """A Gemma 3 config's text part with every field it leaves to the defaults, and RoPE in
+    the older flat names (transformers 5 writes one `rope_parameters` entry per layer type:
+    `full_attention` is `rope_theta` and `rope_scaling`, `sliding_attention` the local base)."""
+    top = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings")
+           if k in cfg}
+    text = {**GEMMA3_TEXT_DEFAULTS, **top, **(cfg.get("text_config") or cfg)}
+    bad = [f"{k} {text[k]!r}" for k in ("attn_logit_softcapping", "final_logit_softcapping",
+                                        "use_bidirectional_attention") if text.get(k)]
+    if text["hidden_activation"] != "gelu_pytorch_tanh":
+        bad.append(f"hidden_activation {text['hidden_activation']!r}")
+    if bad:  # Gemma 2's softcapping, EmbeddingGemma's bidirectional attention
+        raise ValueError(f"{where}: gemma3 runs with gelu_pytorch_tanh, without softcapping or "
+                         f"bidirectional attention; this config has {', '.join(bad)}")
+    rope = text.pop("rope_parameters", None) or {}
+    full, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"{where}: RoPE scaling on gemma3's sliding-window layers is not "
+                         "supported")
+    if full:
+        text["rope_theta"] = full.get("rope_theta", text["rope_theta"])
+        text["rope_scaling"] = full
+    text["rope_local_base_freq"] = local.get("rope_theta", text["rope_local_base_freq"])
+    if not text.get("layer_types"):  # older configs: every pattern-th layer is global
+        n = int(text["sliding_window_pattern"])
+        text["layer_types"] = ["sliding_attention" if (i + 1) % n else "full_attention"
+                               for i in range(int(text["num_hidden_layers"]))]
+    if "sliding_attention" not in text["layer_types"]:
+        text["sliding_window"] = None  # no layer has a window: nothing caps the context
+    return text
+
+
+def _with_gemma3(config: ModelConfig, text: dict[str, Any]) -> ModelConfig:
+    """Gemma 3's switches on (see the module's docstring), from gemma3_text_config's dict."""
+    return dataclasses.replace(
+        config, norm_plus_one=True, sandwich_norms=True, gelu_mlp=True, embed_scale=True,
+        query_pre_attn_scalar=float(text["query_pre_attn_scalar"]),
+        local_rope_theta=float(text["rope_local_base_freq"]),
+        local_layers=tuple(i for i, kind in enumerate(text["layer_types"])
+                           if kind == "sliding_attention"))
+
+
+# Where an image-text checkpoint keeps its language model: Google's Gemma 3 files, and what
+# transformers 5 saves
+_TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                  "language_model.lm_head.": "lm_head."}
+
+
+def text_weights(weights: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's tensors under the text model's names: an image-text one's language
+    model renamed, its vision tower and projector left out; any other as it is."""
+    if not any(k.startswith(tuple(_TEXT_PREFIXES)) for k in weights):
+        return weights
+    return {new + k[len(old):]: t for k, t in weights.items()
+            for old, new in _TEXT_PREFIXES.items() if k.startswith(old)}
 
 
 def _sliding_window(arch: str, cfg: dict[str, Any]) -> int | None:

@@ -71,6 +71,9 @@ class AttentionPlan:
     native: _NativeDecode | None
     groups: list[_DecodeGroup]
     prefills: list[_Prefill]
+    # what q.k is multiplied by before the softmax (Gemma's query_pre_attn_scalar ** -0.5);
+    # None: head_dim ** -0.5, what SDPA does unasked (and bitwise the same when asked)
+    scale: float | None = None
     # Gather buffers reused by every group and layer: fresh ones each layer cost page faults
     # that took longer than the copy itself.
     k_buf: torch.Tensor | None = None  # [max group g * W, bs * KV * D]
@@ -79,7 +82,7 @@ class AttentionPlan:
 
 def plan_attention(
     b: ForwardBatch, *, block_size: int, kv_row_bytes: int, group_bytes: int, native: bool,
-    device: torch.device,
+    device: torch.device, scale: float | None = None,
 ) -> AttentionPlan:
     """kv_row_bytes: K bytes of one block (bs * KV * D * element size), for the grouping."""
     bs = block_size
@@ -91,7 +94,7 @@ def plan_attention(
     for q in b.query_lens:
         starts.append(starts[-1] + q)
     decode_rows = [r for r, q in enumerate(b.query_lens) if q == 1]
-    plan = AttentionPlan(bs, None, [], [])
+    plan = AttentionPlan(bs, None, [], [], scale=scale)
     if native and decode_rows:
         width = max(-(-b.context_lens[r] // bs) for r in decode_rows)
         plan.native = _NativeDecode(
@@ -155,12 +158,13 @@ def attend(
     nkv = k.shape[1]
     g = nh // nkv  # query heads per KV head; head h reads KV head h // g
     bs = plan.block_size
+    scale = d**-0.5 if plan.scale is None else plan.scale
     out = torch.empty_like(q)
     if plan.native is not None:
         n = plan.native
         assert kernels is not None, "a plan with native decode rows needs the kernels"
         kernels.ops.paged_decode_attention(
-            q, k_cache, v_cache, n.rows, n.block_tables, n.context_lens, bs, d**-0.5, out)
+            q, k_cache, v_cache, n.rows, n.block_tables, n.context_lens, bs, scale, out)
     # The cache seen as whole blocks: gathering a block is one contiguous copy of
     # bs * KV * D values, where gathering slot by slot copied 768-byte rows one at a time.
     k_blocks = k_cache.view(-1, bs * nkv * d)  # [num_blocks, bs * KV * D]
@@ -179,7 +183,7 @@ def attend(
         vb = torch.index_select(v_blocks, 0, grp.blocks, out=plan.v_buf[:n_blocks])
         kd = kb.view(-1, grp.width * bs, nkv, d).transpose(1, 2)  # [g, KV, S, D]
         vd = vb.view(-1, grp.width * bs, nkv, d).transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=grp.mask)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=grp.mask, scale=scale)
         out[grp.tokens] = od.reshape(-1, nh, d)
     for p in plan.prefills:
         rows = p.end - p.start
@@ -193,7 +197,7 @@ def attend(
         kp = kp.transpose(0, 1)[:, None].expand(nkv, g, -1, d)
         vp = vp.transpose(0, 1)[:, None].expand(nkv, g, -1, d)
         op = F.scaled_dot_product_attention(  # [KV, G, q, D]
-            qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None
+            qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=scale
         )
         out[p.start:p.end] = op.permute(2, 0, 1, 3).reshape(rows, nh, d)
     return out

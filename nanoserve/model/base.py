@@ -47,16 +47,34 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     # Where an architecture departs from Llama 2 (model/architectures.py reads these from the
     # checkpoint's config): its name, biases on the q/k/v projections (Qwen2), an RMSNorm of
-    # each q and k head before RoPE (Qwen3), and Llama 3.1's RoPE frequency scaling.
+    # each q and k head before RoPE (Qwen3, Gemma 3), and Llama 3.1's RoPE frequency scaling.
     architecture: str = "llama"
     qkv_bias: bool = False
     qk_norm: bool = False
     rope_scaling: RopeScaling | None = None
+    # Gemma 3's: RMSNorms that scale by (1 + w) (folded into the weights at load), a norm of
+    # the attention and of the MLP output before each residual add, gelu (tanh) instead of
+    # silu on the gate, embeddings times sqrt(hidden), q.k scaled by query_pre_attn_scalar
+    # ** -0.5, and the layers in `local_layers` rotated with RoPE base `local_rope_theta`.
+    norm_plus_one: bool = False
+    sandwich_norms: bool = False
+    gelu_mlp: bool = False
+    embed_scale: bool = False
+    query_pre_attn_scalar: float | None = None
+    local_rope_theta: float | None = None
+    local_layers: tuple[int, ...] = ()
 
     @property
     def plain_llama(self) -> bool:
         """No departure that the fused decode stack and the tensor-parallel shards lack."""
-        return not (self.qkv_bias or self.qk_norm)
+        return not (self.qkv_bias or self.qk_norm or self.norm_plus_one or self.sandwich_norms
+                    or self.gelu_mlp or self.embed_scale or self.local_layers
+                    or self.query_pre_attn_scalar is not None)
+
+    @property
+    def attention_scale(self) -> float:
+        """What q.k is multiplied by before the softmax."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def kv_bytes_per_token(self, elem_size: int) -> int:
         """KV-cache bytes one token takes: K and V, every layer, every KV head."""

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from nanoserve.model import native, ops
+from nanoserve.model.architectures import text_weights
 from nanoserve.model.attention import DECODE_GROUP_BYTES, NATIVE_HEAD_DIMS, attend
 from nanoserve.model.base import ForwardBatch, ModelConfig
 from nanoserve.model.linear import mkl_packing_available
@@ -34,7 +35,7 @@ def load_weights(folder: str | Path) -> dict[str, torch.Tensor]:
     weights: dict[str, torch.Tensor] = {}
     for path in sorted(Path(folder).glob("*.safetensors")):
         weights.update(load_file(str(path)))
-    return weights
+    return text_weights(weights)
 
 
 class LlamaModel:
@@ -58,6 +59,8 @@ class LlamaModel:
         self._choose_kernels(pack_weights, isa)
         self._place_weights(weights)
         self._cos, self._sin = rope_tables(config, self.device, dtype)
+        self._local_rope = (rope_tables(config, self.device, dtype, local=True)
+                            if config.local_layers else None)
         self.kv_cache: torch.Tensor | None = None  # [L, 2, num_blocks * block_size, KV, D]
         self.block_size = 0
 
@@ -86,6 +89,7 @@ class LlamaModel:
             self.device, self.dtype, self.kernels, self.quantized, self.pack_weights))
         self.embed, self.embed_q, self.norm = placed.embed, placed.embed_q, placed.norm
         self.lm_head, self.layers = placed.lm_head, placed.layers
+        self.embed_scale = placed.embed_scale
         self.stack_format, self._stack_weights = decode_stack_weights(
             self.layers, self.native_attention and self.reduce is None
             and self.config.plain_llama)
@@ -162,8 +166,9 @@ class LlamaModel:
             plan = plan_step(batch, self.config, cache, self.block_size, self._cos, self._sin,
                              stock=not self.native_layers,
                              native_attention=self.native_attention,
-                             group_bytes=self.decode_group_bytes, device=self.device)
-            eps = self.config.rms_norm_eps
+                             group_bytes=self.decode_group_bytes, device=self.device,
+                             local_rope=self._local_rope)
+            eps, gelu = self.config.rms_norm_eps, self.config.gelu_mlp
             x = self._embed(plan.input_ids)  # [T, hidden], the residual stream
             ap = plan.attention
             if (self.stack_format is not None and ap.native is not None and not ap.groups
@@ -173,8 +178,11 @@ class LlamaModel:
                 h = ops.rms_norm(x, self.layers[0].attn_norm, eps, native=nat)
                 for i, layer in enumerate(self.layers):
                     a = reduce(self._attention(layer, h, cache[i, 0], cache[i, 1], plan))
+                    a = ops.norm_if(a, layer.post_attn_norm, eps, native=nat)
                     h = ops.add_rms_norm(x, a, layer.mlp_norm, eps, native=nat)  # x += a
-                    m = reduce(layer.down(ops.silu_mul(layer.gate_up(h), native=nat)))
+                    m = reduce(layer.down(ops.gate_mul(layer.gate_up(h), gelu=gelu,
+                                                       native=nat)))
+                    m = ops.norm_if(m, layer.post_mlp_norm, eps, native=nat)
                     if i + 1 < len(self.layers):
                         h = ops.add_rms_norm(x, m, self.layers[i + 1].attn_norm, eps,
                                              native=nat)
@@ -193,14 +201,16 @@ class LlamaModel:
         m: torch.Tensor = self.kernels.ops.decode_stack(
             x, *self._stack_weights, self._cache(), plan.cos, plan.sin, plan.positions,
             plan.slot_mapping, n.rows, n.block_tables, n.context_lens, self.block_size,
-            c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim**-0.5, c.rms_norm_eps)
+            c.num_heads, c.num_kv_heads, c.head_dim, c.attention_scale, c.rms_norm_eps)
         return m
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed_q is not None:
-            return self.embed_q.take_rows(ids, self.kernels)
-        assert self.embed is not None
-        return F.embedding(ids, self.embed)
+            x = self.embed_q.take_rows(ids, self.kernels)
+        else:
+            assert self.embed is not None
+            x = F.embedding(ids, self.embed)
+        return x if self.embed_scale is None else x.mul_(self.embed_scale)
 
     def _attention(
         self,
@@ -217,7 +227,8 @@ class LlamaModel:
             qkv += layer.qkv_bias
         if layer.q_norm is not None and layer.k_norm is not None:
             ops.norm_qk_heads(qkv, shape, layer.q_norm, layer.k_norm, c.rms_norm_eps)
-        q, k, v = ops.rope_store(qkv, shape, plan.cos, plan.sin, plan.positions,
+        cos, sin = plan.rope(layer.local_rope)
+        q, k, v = ops.rope_store(qkv, shape, cos, sin, plan.positions,
                                  plan.slot_mapping, k_cache, v_cache,
                                  native=self.kernels if self.native_layers else None)
         out = attend(q, k, v, k_cache, v_cache, plan.attention, self.kernels)  # [T, H, D]

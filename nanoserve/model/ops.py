@@ -39,6 +39,13 @@ def norm_qk_heads(qkv: torch.Tensor, shape: tuple[int, int, int], q_norm: torch.
                    .reshape(t, heads * d))
 
 
+def norm_if(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
+            native: Kernels | None) -> torch.Tensor:
+    """x normed by `weight`, or x as it is where there is none (Gemma's norms of the
+    attention and MLP outputs, which other architectures lack)."""
+    return x if weight is None else rms_norm(x, weight, eps, native=native)
+
+
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, *,
                  native: Kernels | None) -> torch.Tensor:
     """The residual add, in place (x += delta), and the next norm of its result."""
@@ -85,6 +92,15 @@ def rope_store(
     k_cache.index_copy_(0, slot_mapping, k)
     v_cache.index_copy_(0, slot_mapping, v)
     return q, k, v
+
+
+def gate_mul(gate_up: torch.Tensor, *, gelu: bool, native: Kernels | None) -> torch.Tensor:
+    """act(gate) * up: silu (silu_mul), or for Gemma gelu's tanh approximation (stock ops
+    only: the native kernel is silu's)."""
+    if not gelu:
+        return silu_mul(gate_up, native=native)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def silu_mul(gate_up: torch.Tensor, *, native: Kernels | None) -> torch.Tensor:

@@ -26,12 +26,17 @@ class LayerWeights:
     attn_norm: torch.Tensor  # [hidden]
     qkv: Proj | QuantProj  # hidden -> (H + 2 KV) * D: q, k and v projections fused
     o: Proj | QuantProj  # H * D -> hidden
-    mlp_norm: torch.Tensor  # [hidden]
+    mlp_norm: torch.Tensor  # [hidden] (Gemma's pre_feedforward_layernorm)
     gate_up: Proj | QuantProj  # hidden -> 2 I: gate and up projections fused
     down: Proj | QuantProj  # I -> hidden
     qkv_bias: torch.Tensor | None = None  # [(H + 2 KV) * D]: Qwen2's q, k and v biases
     q_norm: torch.Tensor | None = None  # [D]: Qwen3's RMSNorm weight of every q head
     k_norm: torch.Tensor | None = None  # [D]: and of every k head
+    # [hidden]: Gemma's norms of the attention output and of the MLP output, each before its
+    # residual add
+    post_attn_norm: torch.Tensor | None = None
+    post_mlp_norm: torch.Tensor | None = None
+    local_rope: bool = False  # rotated by the local RoPE table (Gemma's sliding layers)
 
 
 @dataclass(slots=True)
@@ -43,6 +48,9 @@ class PlacedWeights:
     norm: torch.Tensor  # [hidden], the final norm
     lm_head: Proj | QuantProj  # hidden -> vocab
     layers: list[LayerWeights]
+    # what the looked-up embeddings are multiplied by (Gemma: sqrt(hidden), rounded to the
+    # model's dtype as transformers rounds it); None: nothing
+    embed_scale: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,10 +69,17 @@ def place_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor | Quan
     """The embedding, the final norm, the head and every layer, from the checkpoint's
     tensors: float32 where they are, quantized where a kernel runs them here."""
 
-    def w(name: str) -> torch.Tensor:
+    def w(name: str, dtype: torch.dtype = where.dtype) -> torch.Tensor:
         t = weights[name]
         t = t.dequantize(where.kernels) if isinstance(t, QuantWeight) else t
-        return t.to(device=where.device, dtype=where.dtype)
+        return t.to(device=where.device, dtype=dtype)
+
+    def norm(name: str) -> torch.Tensor:
+        # Gemma's RMSNorm scales by (1 + w) computed in float32: folded here, once, so that
+        # every norm is the plain rms_norm (exact in float32; bf16 rounds 1 + w once more).
+        if config.norm_plus_one:
+            return (w(name, torch.float32) + 1.0).to(where.dtype)
+        return w(name)
 
     scratch = Scratch()  # what large batches dequantize a weight into, shared
 
@@ -74,23 +89,30 @@ def place_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor | Quan
     embed = weights["model.embed_tokens.weight"]
     embed_q = embed if where.quantized and isinstance(embed, QuantWeight) else None
     head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    sandwich = config.sandwich_norms
     return PlacedWeights(
         embed=None if embed_q is not None else w("model.embed_tokens.weight"),
         embed_q=embed_q,
-        norm=w("model.norm.weight"),
+        norm=norm("model.norm.weight"),
         lm_head=proj([head]),
         layers=[LayerWeights(
-            attn_norm=w(p + "input_layernorm.weight"),
+            attn_norm=norm(p + "input_layernorm.weight"),
             qkv=proj([p + f"self_attn.{x}_proj.weight" for x in "qkv"]),
             o=proj([p + "self_attn.o_proj.weight"]),
-            mlp_norm=w(p + "post_attention_layernorm.weight"),
+            mlp_norm=norm(p + ("pre_feedforward_layernorm.weight" if sandwich
+                               else "post_attention_layernorm.weight")),
             gate_up=proj([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
             down=proj([p + "mlp.down_proj.weight"]),
             qkv_bias=(torch.cat([w(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
                       if config.qkv_bias else None),
-            q_norm=w(p + "self_attn.q_norm.weight") if config.qk_norm else None,
-            k_norm=w(p + "self_attn.k_norm.weight") if config.qk_norm else None,
-        ) for p in (f"model.layers.{i}." for i in range(config.num_layers))],
+            q_norm=norm(p + "self_attn.q_norm.weight") if config.qk_norm else None,
+            k_norm=norm(p + "self_attn.k_norm.weight") if config.qk_norm else None,
+            post_attn_norm=norm(p + "post_attention_layernorm.weight") if sandwich else None,
+            post_mlp_norm=norm(p + "post_feedforward_layernorm.weight") if sandwich else None,
+            local_rope=i in config.local_layers,
+        ) for i, p in ((i, f"model.layers.{i}.") for i in range(config.num_layers))],
+        embed_scale=(float(torch.tensor(config.hidden_size**0.5).to(where.dtype))
+                     if config.embed_scale else None),
     )
 
 

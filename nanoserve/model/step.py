@@ -29,14 +29,27 @@ class StepPlan:
     sin: torch.Tensor
     logits_indices: torch.Tensor  # [R]
     attention: AttentionPlan
+    # the same from the local RoPE table, where the model has one (Gemma's sliding layers)
+    local_cos: torch.Tensor | None = None
+    local_sin: torch.Tensor | None = None
+
+    def rope(self, local: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos and sin a layer rotates q and k by: local or global."""
+        if not local:
+            return self.cos, self.sin
+        assert self.local_cos is not None
+        assert self.local_sin is not None
+        return self.local_cos, self.local_sin
 
 
 def plan_step(b: ForwardBatch, config: ModelConfig, cache: torch.Tensor, block_size: int,
               cos: torch.Tensor, sin: torch.Tensor, *, stock: bool, native_attention: bool,
-              group_bytes: int, device: torch.device) -> StepPlan:
+              group_bytes: int, device: torch.device,
+              local_rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepPlan:
     """Turn the batch's lists into index tensors: one host-to-device copy each, no syncs.
-    `cos` and `sin` are the model's RoPE tables (rope_tables); `stock`: the layers run on
-    stock PyTorch ops, which take the rows of these positions rather than the tables."""
+    `cos` and `sin` are the model's RoPE tables (rope_tables), `local_rope` its local ones
+    if any; `stock`: the layers run on stock PyTorch ops, which take the rows of these
+    positions rather than the tables."""
     if len(b.input_ids) != sum(b.query_lens) or len(b.query_lens) != len(b.block_tables):
         raise ValueError("ForwardBatch: input_ids, query_lens and block_tables disagree")
     c = config
@@ -45,27 +58,36 @@ def plan_step(b: ForwardBatch, config: ModelConfig, cache: torch.Tensor, block_s
         return torch.tensor(values, dtype=torch.long, device=device)
 
     positions = tensor(b.positions)
+
+    def rows(table: torch.Tensor) -> torch.Tensor:
+        return table[positions][:, None, :] if stock else table
+
     row_bytes = block_size * c.num_kv_heads * c.head_dim * cache.element_size()
     return StepPlan(
         input_ids=tensor(b.input_ids),
         slot_mapping=tensor(b.slot_mapping),
         positions=positions,
-        cos=cos[positions][:, None, :] if stock else cos,
-        sin=sin[positions][:, None, :] if stock else sin,
+        cos=rows(cos),
+        sin=rows(sin),
         logits_indices=tensor(b.logits_indices),
         attention=plan_attention(b, block_size=block_size, kv_row_bytes=row_bytes,
                                  group_bytes=group_bytes, native=native_attention,
-                                 device=device),
+                                 device=device, scale=c.attention_scale),
+        local_cos=None if local_rope is None else rows(local_rope[0]),
+        local_sin=None if local_rope is None else rows(local_rope[1]),
     )
 
 
-def rope_tables(config: ModelConfig, device: torch.device, dtype: torch.dtype
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(config: ModelConfig, device: torch.device, dtype: torch.dtype, *,
+                local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE's cos and sin for every position, once: pos * theta^(-2i/D) in float32 (the
-    product is exact to one rounding, as in the reference), duplicated for rotate_half."""
+    product is exact to one rounding, as in the reference), duplicated for rotate_half.
+    `local`: with the base of Gemma's sliding-window layers, which no scaling touches."""
     d = config.head_dim
-    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, d, 2).float() / d)  # [D/2]
-    if config.rope_scaling is not None:
+    theta = config.local_rope_theta if local else config.rope_theta
+    assert theta is not None, "local RoPE tables need a config with local_rope_theta"
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2).float() / d)  # [D/2]
+    if config.rope_scaling is not None and not local:
         inv_freq = llama3_frequencies(inv_freq, config.rope_scaling)
     pos = torch.arange(config.max_position_embeddings, dtype=torch.float32)
     angles = torch.outer(pos, inv_freq)

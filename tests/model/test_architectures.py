@@ -28,7 +28,7 @@ from support.tiny_checkpoints import (
 from nanoserve.config import EngineConfig
 from nanoserve.engine.engine import Engine
 from nanoserve.model import load
-from nanoserve.model.architectures import model_config
+from nanoserve.model.architectures import model_config, text_weights
 from nanoserve.sampling.params import SamplingParams
 
 
@@ -77,7 +77,7 @@ def test_prompt_logprobs_match_transformers(
 
 def test_unknown_architecture_is_refused_naming_those_there_are() -> None:
     with pytest.raises(ValueError, match=r"architecture 'gpt2' is not supported; nanoserve "
-                                         r"runs llama, mistral, qwen2, qwen3"):
+                                         r"runs llama, mistral, qwen2, qwen3, gemma3"):
         model_config({**SHAPE, "model_type": "gpt2"}, "x")
 
 
@@ -88,3 +88,50 @@ def test_a_mistral_window_caps_the_context() -> None:
                         "use_sliding_window": False}, "x")
     assert off.max_position_embeddings == 512
     assert off.qkv_bias
+
+
+GEMMA3 = {**SHAPE, "model_type": "gemma3_text", "query_pre_attn_scalar": 24,
+          "layer_types": ["sliding_attention", "full_attention"]}
+
+
+def test_a_gemma3_window_caps_the_context() -> None:
+    c = model_config({**GEMMA3, "sliding_window": 128}, "x")
+    assert c.max_position_embeddings == 128
+    assert not c.plain_llama  # so no decode stack, and tensor parallelism refuses it
+    assert c.local_layers == (0,)
+    assert c.attention_scale == 24**-0.5
+    # no sliding layer: nothing to cap
+    none = model_config({**GEMMA3, "sliding_window": 128, "layer_types": ["full_attention"]},
+                        "x")
+    assert none.max_position_embeddings == 512
+
+
+def test_gemma3_configs_as_transformers_writes_them() -> None:
+    # transformers 5: one rope_parameters entry per layer type
+    c = model_config({**GEMMA3, "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}}}, "x")
+    assert (c.rope_theta, c.local_rope_theta) == (1_000_000.0, 10_000.0)
+    # the text part of an image-text config, with Gemma3TextConfig's defaults for the rest
+    # (every sixth layer global) and the top level's eos
+    mm = model_config({"model_type": "gemma3", "eos_token_id": [1, 106], "text_config": {
+        "model_type": "gemma3_text", "hidden_size": 2560, "num_hidden_layers": 12,
+        "sliding_window": 1024}}, "x")
+    assert (mm.hidden_size, mm.head_dim, mm.vocab_size) == (2560, 256, 262208)
+    assert mm.local_layers == (0, 1, 2, 3, 4, 6, 7, 8, 9, 10)
+    assert mm.eos_token_ids == (1, 106)
+    assert mm.max_position_embeddings == 1024
+    with pytest.raises(ValueError, match=r"^x: gemma3 runs with gelu_pytorch_tanh, without "
+                       r"softcapping or bidirectional attention; this config has "
+                       r"final_logit_softcapping 30.0$"):
+        model_config({**GEMMA3, "final_logit_softcapping": 30.0}, "x")
+
+
+def test_an_image_text_checkpoint_keeps_its_language_model() -> None:
+    t = torch.zeros(1)
+    got = text_weights({"language_model.model.norm.weight": t,
+                        "model.language_model.layers.0.mlp.up_proj.weight": t,
+                        "vision_tower.x.weight": t, "multi_modal_projector.y": t})
+    assert sorted(got) == ["model.layers.0.mlp.up_proj.weight", "model.norm.weight"]
+    plain = {"model.norm.weight": t}
+    assert text_weights(plain) is plain

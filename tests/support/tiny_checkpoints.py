@@ -2,10 +2,11 @@
 classes (no download), and the greedy reference runs of transformers on them.
 
 Each switches its architecture's quirks on: Llama 3.1's RoPE scaling with an untied head,
-Qwen2's q/k/v biases (tied and untied), Qwen3's q/k norms, Mistral's shape. The weights are
-drawn wider than transformers' initializer (std 0.02 makes every logit nearly equal, and
-every divergence a near tie); `check_runs` returns how many positions were compared, not
-excused, so a test can assert the comparison had teeth.
+Qwen2's q/k/v biases (tied and untied), Qwen3's q/k norms, Mistral's shape, Gemma 3's
+norms, gelu, scales and two RoPE bases. The weights are drawn wider than transformers'
+initializer (std 0.02 makes every logit nearly equal, and every divergence a near tie);
+`check_runs` returns how many positions were compared, not excused, so a test can assert
+the comparison had teeth.
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     # head_dim 128 beside hidden 64 / 4 heads: Qwen3 sets it apart (all its sizes use 128,
     # and transformers' GGUF reader assumes it)
     "qwen3": ("Qwen3Config", {"tie_word_embeddings": True, "head_dim": 128}),
+    # a sliding layer and a global one, each with its own RoPE base; the attention scale
+    # set apart from head_dim; a window as long as the context (the tests' max_model_len is
+    # 512), so that its cap of the context (model/architectures.py) does not bite
+    "gemma3": ("Gemma3TextConfig", {"query_pre_attn_scalar": 24, "sliding_window": 512,
+                                    "layer_types": ["sliding_attention", "full_attention"],
+                                    "rope_theta": 1_000_000.0, "rope_local_base_freq": 100.0}),
 }
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a land",
            "1, 2, 3, 4, 5,", "Les élèves ont écrit", "日本の首都は",
