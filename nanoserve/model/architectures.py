@@ -99,6 +99,7 @@ def model_config(cfg: dict[str, Any], where: str) -> ModelConfig:
         qkv_bias=arch == "qwen2",
         qk_norm=arch in ("qwen3", "gemma3"),
         rope_scaling=_rope_scaling(cfg, where),
+        rope_linear_factor=_rope_linear_factor(cfg),
     )
     return _with_gemma3(config, cfg) if arch == "gemma3" else config
 
@@ -187,14 +188,22 @@ def _sliding_window(arch: str, cfg: dict[str, Any]) -> int | None:
 def _rope_scaling(cfg: dict[str, Any], where: str) -> RopeScaling | None:
     for scaling in (cfg.get("rope_scaling") or {}, cfg.get("rope_parameters") or {}):
         kind = scaling.get("rope_type", scaling.get("type", "default"))
-        if kind == "default":
+        if kind in ("default", "linear"):  # (linear: _rope_linear_factor)
             continue
         if kind != "llama3":
-            raise ValueError(f"{where}: RoPE scaling {kind!r} is not supported (llama3 is)")
+            raise ValueError(f"{where}: RoPE scaling {kind!r} is not supported (llama3 and "
+                             "linear are)")
         return RopeScaling(
             factor=float(scaling["factor"]),
             low_freq_factor=float(scaling["low_freq_factor"]),
             high_freq_factor=float(scaling["high_freq_factor"]),
             original_max_position_embeddings=int(
                 scaling["original_max_position_embeddings"]))
+    return None
+
+
+def _rope_linear_factor(cfg: dict[str, Any]) -> float | None:
+    for scaling in (cfg.get("rope_scaling") or {}, cfg.get("rope_parameters") or {}):
+        if scaling.get("rope_type", scaling.get("type")) == "linear":
+            return float(scaling["factor"])
     return None

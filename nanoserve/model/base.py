@@ -47,11 +47,13 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     # Where an architecture departs from Llama 2 (model/architectures.py reads these from the
     # checkpoint's config): its name, biases on the q/k/v projections (Qwen2), an RMSNorm of
-    # each q and k head before RoPE (Qwen3, Gemma 3), and Llama 3.1's RoPE frequency scaling.
+    # each q and k head before RoPE (Qwen3, Gemma 3), Llama 3.1's RoPE frequency scaling,
+    # and `rope_type: linear`'s (every frequency divided by the factor: Gemma 3 4B and up).
     architecture: str = "llama"
     qkv_bias: bool = False
     qk_norm: bool = False
     rope_scaling: RopeScaling | None = None
+    rope_linear_factor: float | None = None
     # Gemma 3's: RMSNorms that scale by (1 + w) (folded into the weights at load), a norm of
     # the attention and of the MLP output before each residual add, gelu (tanh) instead of
     # silu on the gate, embeddings times sqrt(hidden), q.k scaled by query_pre_attn_scalar

@@ -82,13 +82,16 @@ def rope_tables(config: ModelConfig, device: torch.device, dtype: torch.dtype, *
                 local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE's cos and sin for every position, once: pos * theta^(-2i/D) in float32 (the
     product is exact to one rounding, as in the reference), duplicated for rotate_half.
-    `local`: with the base of Gemma's sliding-window layers, which no scaling touches."""
+    `local`: with the base of Gemma's sliding-window layers, which no scaling touches (in
+    transformers' Gemma 3 the scaling is the global layers')."""
     d = config.head_dim
     theta = config.local_rope_theta if local else config.rope_theta
     assert theta is not None, "local RoPE tables need a config with local_rope_theta"
     inv_freq = 1.0 / theta ** (torch.arange(0, d, 2).float() / d)  # [D/2]
     if config.rope_scaling is not None and not local:
         inv_freq = llama3_frequencies(inv_freq, config.rope_scaling)
+    if config.rope_linear_factor is not None and not local:
+        inv_freq = inv_freq / config.rope_linear_factor
     pos = torch.arange(config.max_position_embeddings, dtype=torch.float32)
     angles = torch.outer(pos, inv_freq)
     angles = torch.cat((angles, angles), dim=-1)  # [P, D]

@@ -110,13 +110,16 @@ def test_gemma3_configs_as_transformers_writes_them() -> None:
     # transformers 5: one rope_parameters entry per layer type
     c = model_config({**GEMMA3, "rope_parameters": {
         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-        "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}}}, "x")
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}}},
+        "x")
     assert (c.rope_theta, c.local_rope_theta) == (1_000_000.0, 10_000.0)
+    assert c.rope_linear_factor == 8.0
     # the text part of an image-text config, with Gemma3TextConfig's defaults for the rest
     # (every sixth layer global) and the top level's eos
     mm = model_config({"model_type": "gemma3", "eos_token_id": [1, 106], "text_config": {
         "model_type": "gemma3_text", "hidden_size": 2560, "num_hidden_layers": 12,
-        "sliding_window": 1024}}, "x")
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}}, "x")
+    assert (mm.rope_theta, mm.local_rope_theta, mm.rope_linear_factor) == (1e6, 1e4, 8.0)
     assert (mm.hidden_size, mm.head_dim, mm.vocab_size) == (2560, 256, 262208)
     assert mm.local_layers == (0, 1, 2, 3, 4, 6, 7, 8, 9, 10)
     assert mm.eos_token_ids == (1, 106)

@@ -37,12 +37,14 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     # head_dim 128 beside hidden 64 / 4 heads: Qwen3 sets it apart (all its sizes use 128,
     # and transformers' GGUF reader assumes it)
     "qwen3": ("Qwen3Config", {"tie_word_embeddings": True, "head_dim": 128}),
-    # a sliding layer and a global one, each with its own RoPE base; the attention scale
-    # set apart from head_dim; a window as long as the context (the tests' max_model_len is
-    # 512), so that its cap of the context (model/architectures.py) does not bite
+    # a sliding layer and a global one, each with its own RoPE base, the global one scaled
+    # linearly (as Gemma 3 4B's and up are); the attention scale set apart from head_dim; a
+    # window as long as the context (the tests' max_model_len is 512), so that its cap of
+    # the context (model/architectures.py) does not bite
     "gemma3": ("Gemma3TextConfig", {"query_pre_attn_scalar": 24, "sliding_window": 512,
                                     "layer_types": ["sliding_attention", "full_attention"],
-                                    "rope_theta": 1_000_000.0, "rope_local_base_freq": 100.0}),
+                                    "rope_theta": 1_000_000.0, "rope_local_base_freq": 100.0,
+                                    "rope_scaling": {"rope_type": "linear", "factor": 8.0}}),
 }
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a land",
            "1, 2, 3, 4, 5,", "Les élèves ont écrit", "日本の首都は",
