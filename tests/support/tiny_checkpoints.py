@@ -62,12 +62,16 @@ def write_checkpoint(kind: str, folder: Path, tokenizer_folder: Path) -> Any:
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     g = torch.Generator().manual_seed(1)
+    # Gemma multiplies its embeddings by sqrt(hidden): drawn that much narrower, its residual
+    # stream starts as wide as the others' (wider, a tied head mostly repeats the last token)
+    embed_std = 0.3 / config.hidden_size**0.5 if kind == "gemma3" else 0.3
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
             else:  # matrices and biases, wide enough that greedy picks are rarely near ties
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+                std = embed_std if name.endswith("embed_tokens.weight") else 0.3
+                p.copy_(std * torch.randn(p.shape, generator=g))
     model.eval()
     model.save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json"):
