@@ -138,3 +138,14 @@ def test_an_image_text_checkpoint_keeps_its_language_model() -> None:
     assert sorted(got) == ["model.layers.0.mlp.up_proj.weight", "model.norm.weight"]
     plain = {"model.norm.weight": t}
     assert text_weights(plain) is plain
+
+
+def test_tensor_parallelism_refuses_what_it_does_not_shard() -> None:
+    from nanoserve.model.parallel.shard import check_tp_size
+
+    qwen3 = model_config({**SHAPE, "model_type": "qwen3"}, "x")
+    with pytest.raises(ValueError, match=r"tensor_parallel_size: qwen3's departures from "
+                                         r"Llama .* are not sharded; this model runs at 1"):
+        check_tp_size(qwen3, 2)
+    check_tp_size(qwen3, 1)
+    check_tp_size(model_config({**SHAPE, "model_type": "mistral"}, "x"), 2)

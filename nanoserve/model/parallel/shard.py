@@ -53,8 +53,8 @@ def check_tp_size(config: ModelConfig, n: int, field: str = "tensor_parallel_siz
     if n < 1:
         raise ValueError(f"{field} must be >= 1, got {n}")
     if n > 1 and not config.plain_llama:
-        raise ValueError(f"{field}: {config.architecture}'s q/k/v biases and q/k norms are not "
-                         "sharded; this model runs at 1")
+        raise ValueError(f"{field}: {config.architecture}'s departures from Llama (biases, "
+                         "head norms, extra norms) are not sharded; this model runs at 1")
     bad = _problems(config, n)
     if bad:
         sizes = ", ".join(map(str, valid_tp_sizes(config)))
