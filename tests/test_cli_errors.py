@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from nanoserve import cli as nanoserve_cli
+from nanoserve.model.loader import embedded_gguf_path
 from sim import cli as sim_cli
 
 MAINS: dict[str, Callable[[list[str]], int]] = {"nanoserve": nanoserve_cli.main,
@@ -100,6 +101,12 @@ CASES: list[Any] = [
      S + "argument --allowed-headers: must be a JSON list of strings, e.g. '[\"*\"]', got "
      "'[\"x\", 1]'"),
     # serve: the checks before the bind, and the bind
+    ("nanoserve", ["serve", "--model", "{tmp}/cut.gguf"],
+     re.compile(re.escape(S + "--model ") + "(.+)/cut\\.gguf: \\1/cut\\.gguf: " + re.escape(
+         "not a readable GGUF file, truncated or corrupt (") + ".+\\)")),
+    ("nanoserve", ["serve", "--model", "{tmp}/text.gguf"],
+     S + "--model {tmp}/text.gguf: {tmp}/text.gguf: not a readable GGUF file, truncated or "
+     "corrupt (GGUF magic invalid)"),
     ("nanoserve", ["serve", "--model", "{tmp}/gpt2"],
      S + "--model {tmp}/gpt2: {tmp}/gpt2: architecture 'gpt2' is not supported; nanoserve "
      "runs llama, mistral, qwen2, qwen3, gemma3"),
@@ -244,6 +251,10 @@ def tmp(tmp_path: Path) -> Path:
         "hidden_size": 768, "num_attention_heads": 12, "num_hidden_layers": 12}))
     for name in ("tokenizer.json", "model.safetensors"):
         (gpt2 / name).write_text("")
+    # a download cut short: SmolLM2's GGUF, its first 2 MB; and a file that is no GGUF at all
+    with embedded_gguf_path().open("rb") as f:
+        (tmp_path / "cut.gguf").write_bytes(f.read(2_000_000))
+    (tmp_path / "text.gguf").write_text("not a model\n")
     return tmp_path
 
 

@@ -52,6 +52,25 @@ def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
     return default if f is None else f.contents()
 
 
+
+def open_gguf(path: Path) -> Any:
+    """gguf-py's reader over `path`, or a ValueError that says the file is not a whole GGUF
+    (a download cut short, a file of another kind) instead of numpy's reshape message."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, IndexError, KeyError, OSError) as exc:  # gguf-py's parse failures
+        raise ValueError(f"{path}: not a readable GGUF file, truncated or corrupt "
+                         f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+                         ) from None
+    size = Path(path).stat().st_size
+    end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    if end > size:  # gguf-py maps the tensors lazily; a short file may still open
+        raise ValueError(f"{path}: not a readable GGUF file, truncated: its tensors end at "
+                         f"byte {end}, the file has {size}")
+    return reader
+
 def gguf_architecture(reader: Any, where: Path) -> str:
     """The file's architecture, or a ValueError naming those nanoserve reads; and any
     RoPE scaling it declares, refused (Llama 3.1's comes as a rope_freqs tensor)."""
@@ -82,12 +101,11 @@ def read_gguf_weights(gguf: Path, *, keep: frozenset[str]) -> dict[str, Any]:
     the file's own blocks (Q/K rows put back in Hugging Face order, which moves whole rows);
     every other tensor is dequantized to float32, exactly as `convert_gguf` does."""
     import torch
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
     from nanoserve.model.quant import QuantWeight
 
-    reader = GGUFReader(gguf)
+    reader = open_gguf(gguf)
     arch = gguf_architecture(reader, gguf)
     n_heads = int(gguf_field(reader, f"{arch}.attention.head_count"))
     n_kv = int(gguf_field(reader, f"{arch}.attention.head_count_kv", n_heads))

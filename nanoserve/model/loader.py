@@ -27,6 +27,7 @@ from nanoserve.model.cache import cache_root
 from nanoserve.model.gguf import (
     gguf_architecture,
     hf_config,
+    open_gguf,
     read_gguf_weights,
     write_tokenizer,
 )
@@ -117,10 +118,9 @@ def _remove_stale_temp_dirs(root: Path, name: str) -> None:
 
 def convert_gguf(gguf_path: Path, out: Path, *, sha256: str | None = None) -> None:
     """Write config.json, model.safetensors (fp32) and the tokenizer files into `out`."""
-    from gguf import GGUFReader
     from safetensors.torch import save_file
 
-    reader = GGUFReader(gguf_path)
+    reader = open_gguf(gguf_path)
     gguf_architecture(reader, gguf_path)
 
     tensors = read_gguf_weights(gguf_path, keep=frozenset())  # all float32
@@ -161,9 +161,8 @@ def peek_config(name_or_path: str) -> ModelConfig:
         if not (path.is_file() and path.suffix == ".gguf"):
             return load_model_config(resolve_model(name_or_path))
         gguf_path = path
-    from gguf import GGUFReader
 
-    reader = GGUFReader(gguf_path)
+    reader = open_gguf(gguf_path)
     gguf_architecture(reader, gguf_path)
     shapes = {t.name: [int(d) for d in t.shape] for t in reader.tensors}
     hidden, vocab = shapes["token_embd.weight"]  # GGUF lists dimensions innermost first
