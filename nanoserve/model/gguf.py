@@ -71,6 +71,7 @@ def open_gguf(path: Path) -> Any:
                          f"byte {end}, the file has {size}")
     return reader
 
+
 def gguf_architecture(reader: Any, where: Path) -> str:
     """The file's architecture, or a ValueError naming those nanoserve reads; and any
     RoPE scaling it declares, refused (Llama 3.1's comes as a rope_freqs tensor)."""
@@ -83,7 +84,20 @@ def gguf_architecture(reader: Any, where: Path) -> str:
                                             for t in reader.tensors):
         raise ValueError(f"{where}: RoPE scaling in a GGUF file is not supported (a Hugging "
                          "Face folder's llama3 rope_scaling is)")
+    _check_tensor_types(reader, where)
     return str(arch)
+
+
+def _check_tensor_types(reader: Any, where: Path) -> None:
+    """Every tensor's type is one nanoserve can read: float, or a block format that gguf-py
+    dequantizes (those without a native kernel here run as float32 copies: logged at load)."""
+    from gguf.quants import GGMLQuantizationType, _type_traits
+
+    readable = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, *_type_traits}
+    bad = sorted({t.tensor_type.name for t in reader.tensors if t.tensor_type not in readable})
+    if bad:
+        raise ValueError(f"{where}: tensor type(s) {', '.join(bad)} cannot be read "
+                         "(neither a kernel here nor gguf-py's dequantizers have them)")
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -111,9 +125,12 @@ def read_gguf_weights(gguf: Path, *, keep: frozenset[str]) -> dict[str, Any]:
     n_kv = int(gguf_field(reader, f"{arch}.attention.head_count_kv", n_heads))
     permuted = arch == "llama"
     out: dict[str, Any] = {}
+    copied: dict[str, int] = {}  # block formats with no kernel here: dequantized to float32
     for t in reader.tensors:
         fmt = t.tensor_type.name.lower()
         kept = fmt in keep
+        if not kept and keep and fmt not in ("f32", "f16", "bf16"):
+            copied[fmt] = copied.get(fmt, 0) + 1
         # Quantized rows as bytes [rows, row bytes]; anything else dequantized to [rows, cols].
         w = (np.array(t.data, dtype=np.uint8) if kept
              else np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
@@ -124,6 +141,10 @@ def read_gguf_weights(gguf: Path, *, keep: frozenset[str]) -> dict[str, Any]:
             w = unpermute_rope_rows(w, n_kv)
         tensor = torch.from_numpy(np.ascontiguousarray(w))
         out[name] = QuantWeight(tensor, fmt, int(t.shape[0])) if kept else tensor
+    if copied:
+        log.warning("%s: %s have no kernel here: dequantized to float32 at load (more memory, "
+                    "slower than their blocks would be)", gguf.name,
+                    ", ".join(f"{n} {fmt} tensor(s)" for fmt, n in sorted(copied.items())))
     return out
 
 

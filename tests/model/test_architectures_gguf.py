@@ -10,8 +10,11 @@ batched with chunking and preemption, must be equal under the near-tie rule.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 import torch
 from support.reference import MAX_NEW_TOKENS, RefCase
@@ -24,7 +27,8 @@ from support.tiny_checkpoints import (
 from support.write_gguf import write_gguf
 
 from nanoserve.model import load
-from nanoserve.model.quant import QuantProj
+from nanoserve.model.gguf import gguf_architecture, open_gguf, read_gguf_weights
+from nanoserve.model.quant import BLOCK_BYTES, QuantProj, QuantWeight
 
 # GGUF architecture -> the tiny checkpoint it is written from (Mistral's shape is a llama
 # file in llama.cpp: the converter writes it so).
@@ -66,3 +70,28 @@ def test_greedy_from_the_gguf_matches_transformers_reading_it(
     assert isinstance(model.layers[0].qkv, QuantProj) == (quant == "Q8_0")
     compared = check_alone_and_batched(model, tok, cases)
     assert compared >= 0.75 * len(PROMPTS) * MAX_NEW_TOKENS, compared
+
+
+def test_block_formats_without_a_kernel_run_as_float32_copies_with_a_warning(
+        tmp_path: Path, smollm2_folder: Path, caplog: pytest.LogCaptureFixture) -> None:
+    hf = write_checkpoint("qwen2-tied", tmp_path, smollm2_folder)
+    tensors = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    path = write_gguf(tmp_path / "q5.gguf", "qwen2", hf.config, tensors, "Q5_0")
+    with caplog.at_level(logging.WARNING, logger="nanoserve.model.loader"):
+        weights = read_gguf_weights(path, keep=frozenset(BLOCK_BYTES))
+    assert not any(isinstance(w, QuantWeight) for w in weights.values())
+    # the embedding and 7 matrices in each of 2 layers
+    assert ("q5.gguf: 15 q5_0 tensor(s) have no kernel here: dequantized to float32 at load"
+            in caplog.text)
+
+
+def test_a_tensor_type_nothing_here_reads_is_refused(tmp_path: Path) -> None:
+    w = gguf.GGUFWriter(str(tmp_path / "i8.gguf"), "llama")
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.int8))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    path = tmp_path / "i8.gguf"
+    with pytest.raises(ValueError, match=r"i8\.gguf: tensor type\(s\) I8 cannot be read"):
+        gguf_architecture(open_gguf(path), path)

@@ -49,7 +49,8 @@ def gguf_name(hf: str) -> str:
 def write_gguf(path: Path, arch: str, config: Any, tensors: dict[str, torch.Tensor],
                quant: str = "F32") -> Path:
     """Write `tensors` (Hugging Face names, float32) as a GGUF of `arch` ("llama", "qwen2",
-    "qwen3"); matrices in `quant` ("F32" or "Q8_0"), vectors (norms, biases) in F32."""
+    "qwen3"); matrices in `quant` ("F32", or a block format gguf-py quantizes: "Q8_0",
+    "Q5_0", ...), vectors (norms, biases) in F32."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(config.num_hidden_layers)
     w.add_context_length(config.max_position_embeddings)
@@ -69,9 +70,9 @@ def write_gguf(path: Path, arch: str, config: Any, tensors: dict[str, torch.Tens
             heads = (config.num_attention_heads if "q_proj" in name
                      else config.num_key_value_heads)
             a = permute_rope_rows(a, heads)
-        if quant == "Q8_0" and a.ndim == 2:
-            w.add_tensor(gguf_name(name), quantize(a, gguf.GGMLQuantizationType.Q8_0),
-                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        if quant != "F32" and a.ndim == 2:
+            qtype = gguf.GGMLQuantizationType[quant]
+            w.add_tensor(gguf_name(name), quantize(a, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(gguf_name(name), np.ascontiguousarray(a))
     w.write_header_to_file()
