@@ -81,6 +81,7 @@ def model_config(cfg: dict[str, Any], where: str) -> ModelConfig:
         log.info("%s: %s's sliding window of %d tokens never slides here: the context is "
                  "capped at it (max_position_embeddings %d)", where, arch, window, max_pos)
         max_pos = window
+    llama3, linear = _rope_scaling(cfg, where)
     config = ModelConfig(
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=hidden,
@@ -98,8 +99,8 @@ def model_config(cfg: dict[str, Any], where: str) -> ModelConfig:
         architecture=arch,
         qkv_bias=arch == "qwen2",
         qk_norm=arch in ("qwen3", "gemma3"),
-        rope_scaling=_rope_scaling(cfg, where),
-        rope_linear_factor=_rope_linear_factor(cfg),
+        rope_scaling=llama3,
+        rope_linear_factor=linear,
     )
     return _with_gemma3(config, cfg) if arch == "gemma3" else config
 
@@ -185,11 +186,15 @@ def _sliding_window(arch: str, cfg: dict[str, Any]) -> int | None:
     return int(window)
 
 
-def _rope_scaling(cfg: dict[str, Any], where: str) -> RopeScaling | None:
+def _rope_scaling(cfg: dict[str, Any], where: str) -> tuple[RopeScaling | None, float | None]:
+    """(Llama 3.1's scaling, the linear factor) the config's RoPE scaling asks for, read in
+    one pass over both places transformers writes it; other kinds are refused."""
     for scaling in (cfg.get("rope_scaling") or {}, cfg.get("rope_parameters") or {}):
         kind = scaling.get("rope_type", scaling.get("type", "default"))
-        if kind in ("default", "linear"):  # (linear: _rope_linear_factor)
+        if kind == "default":
             continue
+        if kind == "linear":  # every frequency divided by the factor
+            return None, float(scaling["factor"])
         if kind != "llama3":
             raise ValueError(f"{where}: RoPE scaling {kind!r} is not supported (llama3 and "
                              "linear are)")
@@ -198,12 +203,5 @@ def _rope_scaling(cfg: dict[str, Any], where: str) -> RopeScaling | None:
             low_freq_factor=float(scaling["low_freq_factor"]),
             high_freq_factor=float(scaling["high_freq_factor"]),
             original_max_position_embeddings=int(
-                scaling["original_max_position_embeddings"]))
-    return None
-
-
-def _rope_linear_factor(cfg: dict[str, Any]) -> float | None:
-    for scaling in (cfg.get("rope_scaling") or {}, cfg.get("rope_parameters") or {}):
-        if scaling.get("rope_type", scaling.get("type")) == "linear":
-            return float(scaling["factor"])
-    return None
+                scaling["original_max_position_embeddings"])), None
+    return None, None
