@@ -91,6 +91,7 @@ def gguf_architecture(reader: Any, where: Path) -> str:
 def _check_tensor_types(reader: Any, where: Path) -> None:
     """Every tensor's type is one nanoserve can read: float, or a block format that gguf-py
     dequantizes (those without a native kernel here run as float32 copies: logged at load)."""
+    # gguf-py keeps its dequantizers in this registry (no public list of them)
     from gguf.quants import GGMLQuantizationType, _type_traits
 
     readable = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, *_type_traits}
