@@ -1,16 +1,31 @@
 // Weight multiplies straight from GGUF's quantized blocks, float32 activations, on the CPU.
 //
-// A quantized weight stays in the file's own block format, [N rows][K / 32 blocks], each
-// block 32 weights of one row:
-//   Q4_0: f16 d, 16 bytes of nibbles           w = d * (q - 8)
-//   Q4_1: f16 d, f16 m, 16 bytes of nibbles    w = d * q + m
-//   Q8_0: f16 d, 32 int8                       w = d * q
+// A quantized weight stays in the file's own block format, [N rows][K / W blocks], each
+// block W weights of one row, W = 32:
+//   Q4_0: f16 d, 16 bytes of nibbles                     w = d * (q - 8)
+//   Q4_1: f16 d, f16 m, 16 bytes of nibbles              w = d * q + m
+//   Q5_0: f16 d, 4 bytes of high bits, 16 of nibbles     w = d * (q - 16)
+//   Q5_1: f16 d, f16 m, 4 bytes of high bits, 16 nibbles w = d * q + m
+//   Q8_0: f16 d, 32 int8                                 w = d * q
+//   F16, BF16: 32 two-byte floats (a row is just its K values; 32 is the kernels' unit)
 // (byte j of the nibbles holds weight j in its low half and weight j + 16 in its high
-// half). Every weight is dequantized to float32 exactly as gguf-py computes it (and so
+// half; bit j of the high bits, a little-endian uint32, is weight j's fifth bit), or W = 256
+// (the K-quants: a superblock of 8 units of 32 weights):
+//   Q4_K: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
+//   Q5_K: as Q4_K, then 32 bytes of high bits, then the 128 bytes of nibbles
+//         w = (d * sc) * q - (dmin * m), sc and m unit u's
+//   Q6_K: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, f16 d
+//         w = (d * sc) * (q - 32), one scale per 16 weights
+// (unit u of Q4_K/Q5_K: the low (u even) or high (u odd) nibbles of bytes 32 (u / 2) ..
+// +31, Q5_K's fifth bit bit u of the 32 high-bit bytes; unit u = 4 g + v of Q6_K: the
+// nibbles of bytes 64 g + 32 (v % 2) .. +31, low for v < 2, and bits 2 v, 2 v + 1 of high
+// bytes 32 g .. +31; that is how gguf-py's reshapes lay them out).
+// Every weight is dequantized to float32 exactly as gguf-py computes it (and so
 // transformers, the reference): a product of an f16 scale (11 significant bits) and a
-// quant (at most 8) is exact in float32, so only Q4_1's one addition rounds, fused or not,
-// as it does there. Only the order of the dot product's additions differs from a float32
-// matmul over those values.
+// quant (at most 8) is exact in float32, as are the K-quants' d * sc (6 or 8 bits) and
+// that times q (at most 24 bits in all), so only the one addition of Q4_1, Q5_1, Q4_K and
+// Q5_K rounds, fused or not, as it does there. Only the order of the dot product's
+// additions differs from a float32 matmul over those values.
 //
 // quant_linear: out[M, N] = x[M, K] @ W^T. The rows of W are split among threads. Up to
 // kRegisterRows rows of x each block is dequantized in registers and used at once against
@@ -44,6 +59,7 @@ constexpr int64_t kBlock = 32;
 using nanoserve::load;
 using nanoserve::store;
 using nanoserve::vfloat;
+using nanoserve::vint;
 constexpr int kW = nanoserve::kLanes;  // floats per vector
 typedef vfloat vf;
 #ifdef NANOSERVE_AVX512
@@ -159,10 +175,82 @@ NS_INLINE void int8s(const uint8_t* p, vf (&w)[kPer]) {
 #endif
 }
 
-// Each format: dequant(block, w) gives the block's 32 weights as kPer vectors.
+// kW bytes from p, each zero-extended to a 32-bit lane (the load folds into the widening).
+NS_INLINE vint bytes(const uint8_t* p) {
+#if defined(NANOSERVE_AVX512)
+  return (vint)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(NANOSERVE_AVX2)
+  return (vint)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#else
+  vint v;
+  for (int l = 0; l < kW; ++l) v[l] = p[l];
+  return v;
+#endif
+}
+
+NS_INLINE vf to_float(vint v) { return __builtin_convertvector(v, vf); }
+
+// 0, 1, ..., kW - 1: each lane's shift to its own bit of a broadcast word.
+NS_INLINE vint lane_index() {
+  vint v;
+  for (int l = 0; l < kW; ++l) v[l] = l;
+  return v;
+}
+
+// Two adjacent halves (d and m, or d and dmin) as broadcast vectors.
+NS_INLINE void half_pair(const uint8_t* b, vf& d, vf& m) {
+#if defined(NANOSERVE_AVX2) || defined(NANOSERVE_AVX512)
+  // converted by one instruction
+  uint32_t dm;
+  std::memcpy(&dm, b, 4);
+  const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dm)));  // [d, m, 0, 0]
+#if defined(NANOSERVE_AVX512)
+  d = (vf)_mm512_broadcastss_ps(f), m = (vf)_mm512_broadcastss_ps(_mm_movehdup_ps(f));
+#else
+  d = (vf)_mm256_broadcastss_ps(f), m = (vf)_mm256_broadcastss_ps(_mm_movehdup_ps(f));
+#endif
+#else
+  d = vf{} + half_to_float(b), m = vf{} + half_to_float(b + 2);
+#endif
+}
+
+// Q5_0's and Q5_1's 32 quants (0..31) as floats: the nibbles as in Q4_0, and bit i of the
+// little-endian word at qh as weight i's fifth bit.
+NS_INLINE void five_bits(const uint8_t* qh, const uint8_t* qs, vf (&w)[kPer]) {
+  uint32_t h;
+  std::memcpy(&h, qh, 4);
+  for (int j = 0; j < kPer; ++j) {
+    const int i = j * kW;  // the vector's first weight
+    const vint lo = i < 16 ? bytes(qs + i) & 0x0f : bytes(qs + i - 16) >> 4;
+    const vint hi = ((vint{} + static_cast<int32_t>(h >> i)) >> lane_index()) & 1;
+    w[j] = to_float(lo | (hi << 4));
+  }
+}
+
+// A K-quant unit's 32 nibbles: the low (shift 0) or high (shift 4) halves of 32 bytes.
+NS_INLINE vint nibble_run(const uint8_t* p, int j, int shift) {
+  return (bytes(p + j * kW) >> shift) & 0x0f;
+}
+
+// Q4_K's and Q5_K's 6-bit scale and min of unit u (0..7) from their 12 bytes: units 0-3 in
+// the low 6 bits of bytes u and u + 4; units 4-7 four bits from byte u + 4 (low half the
+// scale, high half the min) and two from the top of bytes u - 4 and u.
+NS_INLINE void scale_min(const uint8_t* s, int u, int& sc, int& mn) {
+  if (u < 4) {
+    sc = s[u] & 0x3f;
+    mn = s[u + 4] & 0x3f;
+  } else {
+    sc = (s[u + 4] & 0x0f) | ((s[u - 4] >> 2) & 0x30);
+    mn = (s[u + 4] >> 4) | ((s[u] >> 2) & 0x30);
+  }
+}
+
+// Each format: kBytes per block of kUnits * 32 weights; dequant(block, u, w) gives unit u's
+// 32 weights as kPer vectors (u is 0 where a block is one unit). The dot loops run u as a
+// constant (unrolled), so a K-quant's branches on it and its shared d go away.
 struct Q4_0 {
-  static constexpr int64_t kBytes = 18;
-  NS_INLINE static void dequant(const uint8_t* b, vf (&w)[kPer]) {
+  static constexpr int64_t kBytes = 18, kUnits = 1;
+  NS_INLINE static void dequant(const uint8_t* b, int, vf (&w)[kPer]) {
     const vf d = vf{} + half_to_float(b);
     nibbles(b + 2, w);
     for (int j = 0; j < kPer; ++j) w[j] = d * (w[j] - 8.0f);  // q - 8 is exact; one rounding
@@ -170,41 +258,142 @@ struct Q4_0 {
 };
 
 struct Q4_1 {
-  static constexpr int64_t kBytes = 20;
-  NS_INLINE static void dequant(const uint8_t* b, vf (&w)[kPer]) {
-#if defined(NANOSERVE_AVX2) || defined(NANOSERVE_AVX512)
-    // d and m, adjacent halves, converted by one instruction.
-    uint32_t dm;
-    std::memcpy(&dm, b, 4);
-    const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dm)));  // [d, m, 0, 0]
-#if defined(NANOSERVE_AVX512)
-    const vf d = (vf)_mm512_broadcastss_ps(f), m = (vf)_mm512_broadcastss_ps(_mm_movehdup_ps(f));
-#else
-    const vf d = (vf)_mm256_broadcastss_ps(f), m = (vf)_mm256_broadcastss_ps(_mm_movehdup_ps(f));
-#endif
-#else
-    const vf d = vf{} + half_to_float(b), m = vf{} + half_to_float(b + 2);
-#endif
+  static constexpr int64_t kBytes = 20, kUnits = 1;
+  NS_INLINE static void dequant(const uint8_t* b, int, vf (&w)[kPer]) {
+    vf d, m;
+    half_pair(b, d, m);
     nibbles(b + 4, w);
     for (int j = 0; j < kPer; ++j) w[j] = d * w[j] + m;
   }
 };
 
+struct Q5_0 {
+  static constexpr int64_t kBytes = 22, kUnits = 1;
+  NS_INLINE static void dequant(const uint8_t* b, int, vf (&w)[kPer]) {
+    const vf d = vf{} + half_to_float(b);
+    five_bits(b + 2, b + 6, w);
+    for (int j = 0; j < kPer; ++j) w[j] = d * (w[j] - 16.0f);  // q - 16 exact; d * it too
+  }
+};
+
+struct Q5_1 {
+  static constexpr int64_t kBytes = 24, kUnits = 1;
+  NS_INLINE static void dequant(const uint8_t* b, int, vf (&w)[kPer]) {
+    vf d, m;
+    half_pair(b, d, m);
+    five_bits(b + 4, b + 8, w);
+    for (int j = 0; j < kPer; ++j) w[j] = d * w[j] + m;  // d * q exact: one rounding
+  }
+};
+
 struct Q8_0 {
-  static constexpr int64_t kBytes = 34;
-  NS_INLINE static void dequant(const uint8_t* b, vf (&w)[kPer]) {
+  static constexpr int64_t kBytes = 34, kUnits = 1;
+  NS_INLINE static void dequant(const uint8_t* b, int, vf (&w)[kPer]) {
     const vf d = vf{} + half_to_float(b);
     int8s(b + 2, w);
     for (int j = 0; j < kPer; ++j) w[j] = w[j] * d;
   }
 };
 
+struct Q4_K {
+  static constexpr int64_t kBytes = 144, kUnits = 8;
+  NS_INLINE static void dequant(const uint8_t* b, int u, vf (&w)[kPer]) {
+    vf d, dmin;
+    half_pair(b, d, dmin);
+    int sc, mn;
+    scale_min(b + 4, u, sc, mn);
+    // gguf-py's (d * sc) and (dmin * m), both exact, then one rounding of the difference
+    const vf ds = d * static_cast<float>(sc), dm = dmin * static_cast<float>(mn);
+    const uint8_t* q = b + 16 + 32 * (u / 2);
+    for (int j = 0; j < kPer; ++j) w[j] = ds * to_float(nibble_run(q, j, 4 * (u % 2))) - dm;
+  }
+};
+
+struct Q5_K {
+  static constexpr int64_t kBytes = 176, kUnits = 8;
+  NS_INLINE static void dequant(const uint8_t* b, int u, vf (&w)[kPer]) {
+    vf d, dmin;
+    half_pair(b, d, dmin);
+    int sc, mn;
+    scale_min(b + 4, u, sc, mn);
+    const vf ds = d * static_cast<float>(sc), dm = dmin * static_cast<float>(mn);
+    const uint8_t* qh = b + 16;
+    const uint8_t* q = b + 48 + 32 * (u / 2);
+    for (int j = 0; j < kPer; ++j) {
+      const vint hi = ((bytes(qh + j * kW) >> u) & 1) << 4;
+      w[j] = ds * to_float(nibble_run(q, j, 4 * (u % 2)) | hi) - dm;
+    }
+  }
+};
+
+struct Q6_K {
+  static constexpr int64_t kBytes = 210, kUnits = 8;
+  NS_INLINE static void dequant(const uint8_t* b, int u, vf (&w)[kPer]) {
+    const float d = half_to_float(b + 208);
+    const int g = u / 4, v = u % 4;
+    const uint8_t* ql = b + 64 * g + 32 * (v % 2);
+    const uint8_t* qh = b + 128 + 32 * g;
+    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192) + 2 * u;
+    for (int j = 0; j < kPer; ++j) {
+      // d * scale first (exact), as gguf-py; a scale covers 16 weights
+      const vf ds = vf{} + d * static_cast<float>(scales[j * kW / 16]);
+      const vint hi = ((bytes(qh + j * kW) >> (2 * v)) & 3) << 4;
+      w[j] = ds * to_float((nibble_run(ql, j, 4 * (v / 2)) | hi) - 32);
+    }
+  }
+};
+
+// A row of K halves (GGUF's F16 tensors), 32 of them a unit.
+struct F16 {
+  static constexpr int64_t kBytes = 64, kUnits = 1;
+  NS_INLINE static void dequant(const uint8_t* b, int, vf (&w)[kPer]) {
+    for (int j = 0; j < kPer; ++j) {
+      const uint8_t* p = b + 2 * j * kW;
+#if defined(NANOSERVE_AVX512)
+      w[j] = (vf)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(NANOSERVE_AVX2)
+      w[j] = (vf)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+      for (int l = 0; l < kW; ++l) w[j][l] = half_to_float(p + 2 * l);
+#endif
+    }
+  }
+};
+
+// A row of K bfloat16s: each the top half of a float32's bits.
+struct BF16 {
+  static constexpr int64_t kBytes = 64, kUnits = 1;
+  NS_INLINE static void dequant(const uint8_t* b, int, vf (&w)[kPer]) {
+    for (int j = 0; j < kPer; ++j) {
+      const uint8_t* p = b + 2 * j * kW;
+#if defined(NANOSERVE_AVX512)
+      const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+      w[j] = (vf)_mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+#elif defined(NANOSERVE_AVX2)
+      const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      w[j] = (vf)_mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+#else
+      for (int l = 0; l < kW; ++l) {
+        uint16_t h;
+        std::memcpy(&h, p + 2 * l, 2);
+        const uint32_t bits = static_cast<uint32_t>(h) << 16;
+        std::memcpy(&w[j][l], &bits, 4);
+      }
+#endif
+    }
+  }
+};
+
+// A row of `blocks` blocks dequantized into w.
 template <class F>
 void dequant_row(const uint8_t* row, int64_t blocks, float* w) {
   for (int64_t b = 0; b < blocks; ++b) {
-    vf v[kPer];
-    F::dequant(row + b * F::kBytes, v);
-    for (int j = 0; j < kPer; ++j) store(w + b * kBlock + j * kW, v[j]);
+#pragma GCC unroll 8
+    for (int u = 0; u < F::kUnits; ++u) {
+      vf v[kPer];
+      F::dequant(row + b * F::kBytes, u, v);
+      for (int j = 0; j < kPer; ++j) store(w + (b * F::kUnits + u) * kBlock + j * kW, v[j]);
+    }
   }
 }
 
@@ -219,19 +408,23 @@ constexpr int accumulators() {
   return R == 1 ? 4 : R <= 4 ? 2 : 1;
 }
 
-// R rows of x (R <= 8) against weight row `row`, the weights dequantized in registers and
-// used at once: nothing goes through memory but the blocks and x (which stays in L1).
+// R rows of x (R <= 8) against weight row `row` (nb blocks), the weights dequantized in
+// registers and used at once: nothing goes through memory but the blocks and x (which stays
+// in L1). Each accumulator sums its units in order, however many units a block holds.
 template <class F, int R>
 inline void rows_dot(const float* x, int64_t xs, const uint8_t* row, int64_t nb, float* out,
                      int64_t os) {
   constexpr int A = accumulators<R>();
   vf a[R][A] = {};
   for (int64_t b = 0; b < nb; ++b) {
-    vf w[kPer];
-    F::dequant(row + b * F::kBytes, w);
-    const float* xb = x + b * kBlock;
-    for (int r = 0; r < R; ++r) {
-      for (int j = 0; j < kPer; ++j) a[r][j % A] += load(xb + r * xs + j * kW) * w[j];
+#pragma GCC unroll 8
+    for (int u = 0; u < F::kUnits; ++u) {
+      vf w[kPer];
+      F::dequant(row + b * F::kBytes, u, w);
+      const float* xb = x + (b * F::kUnits + u) * kBlock;
+      for (int r = 0; r < R; ++r) {
+        for (int j = 0; j < kPer; ++j) a[r][j % A] += load(xb + r * xs + j * kW) * w[j];
+      }
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -309,7 +502,8 @@ inline void dot_tile_rows(int64_t rows, const float* x, int64_t xs, const float*
 
 template <class F>
 void linear(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& out) {
-  const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0), nb = K / kBlock;
+  const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
+  const int64_t nb = K / (kBlock * F::kUnits);
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -348,7 +542,7 @@ void linear(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& out
 
 template <class F>
 void dequant_all(const at::Tensor& blocks, const at::Tensor& out) {
-  const int64_t N = blocks.size(0), K = out.size(1), nb = K / kBlock;
+  const int64_t N = blocks.size(0), K = out.size(1), nb = K / (kBlock * F::kUnits);
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   const int64_t os = out.stride(0);
@@ -357,18 +551,34 @@ void dequant_all(const at::Tensor& blocks, const at::Tensor& out) {
   });
 }
 
-int64_t block_bytes(const std::string& format) {
-  if (format == "q4_0") return Q4_0::kBytes;
-  if (format == "q4_1") return Q4_1::kBytes;
-  if (format == "q8_0") return Q8_0::kBytes;
-  TORCH_CHECK(false, "quant: unknown block format ", format, " (q4_0, q4_1, q8_0)");
+// fn(F{}) for the format named `format`: every op's one list of formats.
+template <class Fn>
+void with_format(const std::string& format, Fn&& fn) {
+  if (format == "q4_0") return fn(Q4_0{});
+  if (format == "q4_1") return fn(Q4_1{});
+  if (format == "q5_0") return fn(Q5_0{});
+  if (format == "q5_1") return fn(Q5_1{});
+  if (format == "q8_0") return fn(Q8_0{});
+  if (format == "q4_k") return fn(Q4_K{});
+  if (format == "q5_k") return fn(Q5_K{});
+  if (format == "q6_k") return fn(Q6_K{});
+  if (format == "f16") return fn(F16{});
+  if (format == "bf16") return fn(BF16{});
+  TORCH_CHECK(false, "quant: unknown block format ", format,
+              " (q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k, f16, bf16)");
 }
 
 void check_blocks(const at::Tensor& blocks, int64_t K, const std::string& format) {
-  TORCH_CHECK(K % kBlock == 0, "quant: K = ", K, " is not a multiple of ", kBlock);
-  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
-                  blocks.size(1) == K / kBlock * block_bytes(format),
-              "quant: blocks must be contiguous uint8 [N, K / 32 * ", block_bytes(format), "]");
+  with_format(format, [&](auto f) {
+    using F = decltype(f);
+    const int64_t per = kBlock * F::kUnits;  // weights per block
+    TORCH_CHECK(K % per == 0, "quant: K = ", K, " is not a multiple of ", per, " (", format,
+                ")");
+    TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte &&
+                    blocks.is_contiguous() && blocks.size(1) == K / per * F::kBytes,
+                "quant: ", format, " blocks must be contiguous uint8 [N, K / ", per, " * ",
+                F::kBytes, "]");
+  });
 }
 
 }  // namespace
@@ -384,13 +594,7 @@ void quant_linear(const at::Tensor& x, const at::Tensor& blocks, const std::stri
   TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.stride(1) == 1 &&
                   out.size(0) == x.size(0) && out.size(1) == blocks.size(0),
               "quant_linear: out must be float32 [M, N]");
-  if (format == "q4_0") {
-    linear<Q4_0>(x, blocks, out);
-  } else if (format == "q4_1") {
-    linear<Q4_1>(x, blocks, out);
-  } else {
-    linear<Q8_0>(x, blocks, out);
-  }
+  with_format(format, [&](auto f) { linear<decltype(f)>(x, blocks, out); });
 }
 
 void dequantize(const at::Tensor& blocks, const std::string& format, const at::Tensor& out) {
@@ -398,13 +602,7 @@ void dequantize(const at::Tensor& blocks, const std::string& format, const at::T
                   out.size(0) == blocks.size(0),
               "dequantize: out must be float32 [N, K]");
   check_blocks(blocks, out.size(1), format);
-  if (format == "q4_0") {
-    dequant_all<Q4_0>(blocks, out);
-  } else if (format == "q4_1") {
-    dequant_all<Q4_1>(blocks, out);
-  } else {
-    dequant_all<Q8_0>(blocks, out);
-  }
+  with_format(format, [&](auto f) { dequant_all<decltype(f)>(blocks, out); });
 }
 
 }  // namespace nanoserve
