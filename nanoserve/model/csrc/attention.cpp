@@ -1,7 +1,8 @@
 // Decode attention straight over the paged KV cache, float32 on the CPU.
 //
-// A decode row has one query per head and attends to its whole context, which lies in the
-// cache in blocks scattered over the pool. Done with stock PyTorch ops, each step gathers
+// A decode row has one query per head and attends to its whole context (or, on a layer with
+// a sliding window, the last `window` positions of it), which lies in the cache in blocks
+// scattered over the pool. Done with stock PyTorch ops, each step gathers
 // every row's blocks into a padded copy, masks the padding and calls SDPA: the copy is a
 // read and a write of every context byte, and SDPA's flash kernel, built for long queries,
 // runs slowly at one query. Here each (row, KV head) reads its keys and values once, in
@@ -56,46 +57,58 @@ inline void softmax(float* __restrict s, int64_t n) {
   for (int64_t i = 0; i < n; i += kLanes) store(s + i, load(s + i) * inv);
 }
 
-// One (row, KV head): its `group` query heads against its context, through the block table.
+// One (row, KV head): its `group` query heads against context positions [first, ctx),
+// through the block table (first > 0 only where a sliding window binds; with first == 0 every
+// loop runs exactly as without a window, so the result is bit for bit the same).
 // kDim / kLanes vectors per head vector, known at compile time so that the loops unroll.
 template <int64_t kDim>
 void attend(const float* __restrict q, const float* __restrict k_cache,
-            const float* __restrict v_cache, const int64_t* __restrict table, int64_t ctx,
-            int64_t block_size, int64_t slot_stride, int64_t group, float scale,
+            const float* __restrict v_cache, const int64_t* __restrict table, int64_t first,
+            int64_t ctx, int64_t block_size, int64_t slot_stride, int64_t group, float scale,
             float* __restrict scores, float* __restrict out) {
   constexpr int64_t kVecs = kDim / kLanes;
-  const int64_t padded = (ctx + kLanes - 1) / kLanes * kLanes;  // each group's scores row
-  for (int64_t pos = 0; pos < ctx; pos += block_size) {
-    const int64_t n = std::min(block_size, ctx - pos);
-    const float* kb = k_cache + table[pos / block_size] * block_size * slot_stride;
+  const int64_t len = ctx - first;                            // keys attended to
+  const int64_t padded = (len + kLanes - 1) / kLanes * kLanes;  // each group's scores row
+  // Positions go block by block; a window's first block may be entered part way through.
+  for (int64_t pos = first; pos < ctx;) {
+    const int64_t off = pos % block_size, n = std::min(block_size - off, ctx - pos);
+    const float* kb = k_cache + (table[pos / block_size] * block_size + off) * slot_stride;
     for (int64_t j = 0; j < n; ++j) {
       vfloat key[kVecs];
       for (int64_t c = 0; c < kVecs; ++c) key[c] = load(kb + j * slot_stride + c * kLanes);
       for (int64_t g = 0; g < group; ++g) {
         vfloat acc = {};
         for (int64_t c = 0; c < kVecs; ++c) acc += load(q + g * kDim + c * kLanes) * key[c];
-        scores[g * padded + pos + j] = hsum(acc) * scale;
+        scores[g * padded + pos - first + j] = hsum(acc) * scale;
       }
     }
+    pos += n;
   }
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores + g * padded;
-    for (int64_t i = ctx; i < padded; ++i) s[i] = -INFINITY;
+    for (int64_t i = len; i < padded; ++i) s[i] = -INFINITY;
     softmax(s, padded);
   }
   for (int64_t g = 0; g < group; ++g) {
     vfloat acc[kVecs] = {};
     const float* s = scores + g * padded;
-    for (int64_t pos = 0; pos < ctx; pos += block_size) {
-      const int64_t n = std::min(block_size, ctx - pos);
-      const float* vb = v_cache + table[pos / block_size] * block_size * slot_stride;
+    for (int64_t pos = first; pos < ctx;) {
+      const int64_t off = pos % block_size, n = std::min(block_size - off, ctx - pos);
+      const float* vb = v_cache + (table[pos / block_size] * block_size + off) * slot_stride;
       for (int64_t j = 0; j < n; ++j) {
-        const float p = s[pos + j];
+        const float p = s[pos - first + j];
         for (int64_t c = 0; c < kVecs; ++c) acc[c] += p * load(vb + j * slot_stride + c * kLanes);
       }
+      pos += n;
     }
     for (int64_t c = 0; c < kVecs; ++c) store(out + g * kDim + c * kLanes, acc[c]);
   }
+}
+
+// The first position a row of context `ctx` attends to: query position ctx - 1 sees key j
+// iff ctx - 1 - j < window, i.e. j >= ctx - window (window 0: no window, every position).
+inline int64_t window_start(int64_t ctx, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
 }
 
 }  // namespace
@@ -110,7 +123,8 @@ void paged_decode_attention(
     const at::Tensor& block_tables,  // [R, W] int64: each row's blocks, padded at the end
     const at::Tensor& context_lens,  // [R] int64: positions each row attends to (>= 1)
     int64_t block_size, double scale,
-    const at::Tensor& out) {  // [T, H, D]: only the decode rows' entries are written
+    const at::Tensor& out,  // [T, H, D]: only the decode rows' entries are written
+    int64_t window) {       // 0, or a sliding window: each row sees its last `window` keys
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q and caches: 3-d");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
                   v_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
@@ -122,6 +136,7 @@ void paged_decode_attention(
                   context_lens.scalar_type() == at::kLong,
               "index tensors: int64");
   TORCH_CHECK(out.sizes() == q.sizes(), "out must be shaped like q");
+  TORCH_CHECK(window >= 0, "window: 0 (none) or a positive number of positions");
   const int64_t heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(1);
   TORCH_CHECK(k_cache.size(2) == dim && v_cache.sizes() == k_cache.sizes(), "cache shapes");
   TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of KV heads");
@@ -144,7 +159,8 @@ void paged_decode_attention(
     const int64_t ctx = ctx_lens[r];
     TORCH_CHECK(row_ix[r] >= 0 && row_ix[r] < num_tokens, "row index out of range");
     TORCH_CHECK(ctx >= 1 && ctx <= width * block_size, "context length out of range");
-    for (int64_t b = 0; b < (ctx + block_size - 1) / block_size; ++b) {
+    for (int64_t b = window_start(ctx, window) / block_size;
+         b < (ctx + block_size - 1) / block_size; ++b) {
       const int64_t blk = tables[r * width + b];
       TORCH_CHECK(blk >= 0 && (blk + 1) * block_size <= slots, "block id out of range");
     }
@@ -157,7 +173,8 @@ void paged_decode_attention(
                    : dim == 64 ? &attend<64>
                                : &attend<128>;
   int64_t longest = 0;
-  for (int64_t r = 0; r < num_rows; ++r) longest = std::max(longest, ctx_lens[r]);
+  for (int64_t r = 0; r < num_rows; ++r)
+    longest = std::max(longest, ctx_lens[r] - window_start(ctx_lens[r], window));
   const int64_t scores_len = group * ((longest + kLanes - 1) / kLanes * kLanes);
 
   at::parallel_for(0, num_rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -167,8 +184,8 @@ void paged_decode_attention(
       const int64_t head = row_ix[r] * heads + h * group;  // the first of the group's heads
       // Head h's values in a slot start h * dim floats in: offset the cache pointers by
       // that, and every slot of head h is then a multiple of slot_stride away.
-      run(qp + head * dim, kp + h * dim, vp + h * dim, tables + r * width, ctx_lens[r],
-          block_size, slot_stride, group, fscale, scores.data(), op + head * dim);
+      run(qp + head * dim, kp + h * dim, vp + h * dim, tables + r * width,
+          window_start(ctx_lens[r], window), ctx_lens[r], block_size, slot_stride, group, fscale, scores.data(), op + head * dim);
     }
   });
 }
@@ -179,7 +196,7 @@ TORCH_LIBRARY_FRAGMENT(NANOSERVE_NS, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor rows, "
       "Tensor block_tables, Tensor context_lens, int block_size, float scale, "
-      "Tensor(a!) out) -> ()");
+      "Tensor(a!) out, int window=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(NANOSERVE_NS, CPU, m) {

@@ -23,7 +23,8 @@ void silu_mul(const at::Tensor& gate_up, const at::Tensor& out);
 void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& rows,
                             const at::Tensor& block_tables, const at::Tensor& context_lens,
-                            int64_t block_size, double scale, const at::Tensor& out);
+                            int64_t block_size, double scale, const at::Tensor& out,
+                            int64_t window);  // 0: none; else each row's last `window` keys
 
 // quant.cpp
 void quant_linear(const at::Tensor& x, const at::Tensor& blocks, const std::string& format,

@@ -51,7 +51,7 @@ at::Tensor decode_stack(const at::Tensor& x, at::TensorList attn_norm, at::Tenso
     nanoserve::quant_linear(h, qkv[i], format, qkv_out);
     nanoserve::rope_store(qkv_out, cos, sin, positions, slot_mapping, k_cache, v_cache, q, k);
     nanoserve::paged_decode_attention(q, k_cache, v_cache, rows, block_tables, context_lens,
-                                      block_size, scale, att);
+                                      block_size, scale, att, /*window=*/0);
     nanoserve::quant_linear(att.view({T, heads * head_dim}), o[i], format, a);
     nanoserve::add_rms_norm(x, a, mlp_norm[i], eps, h);  // x += a
     nanoserve::quant_linear(h, gate_up[i], format, gu);
