@@ -14,12 +14,21 @@ Decode rows (one query each) take one of two paths:
 Rows with several queries (prefill chunks) go one by one through SDPA with a causal mask
 offset by what is already cached. Grouped-query attention never repeats the KV heads: the
 G query heads that share a KV head are laid out as that head's queries.
+
+Sliding windows (model/architectures.py says which layers have one): query position p sees
+key j iff j <= p and p - j < window. `windowed` derives the windowed layers' plan from the
+full one, once a step, sharing its block tables and buffers: the native kernel takes the
+window as an argument, the stock decode groups and the prefills get banded masks (a first
+chunk longer than the window too: is_causal alone no longer says it), and a continuation
+chunk reads only the keys its window reaches. Where no row's context exceeds the window,
+the windowed plan is the full one itself. Every block stays allocated (see
+architectures._sliding_window), so the prefix cache and preemption need nothing here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -41,19 +50,25 @@ DECODE_GROUP_BYTES = 1 << 20
 class _Prefill:
     start: int  # first flat token index of the row
     end: int
-    blocks: torch.Tensor  # [nb] the row's blocks covering its context, in order
+    blocks: torch.Tensor  # [nb] the row's blocks covering keys lo .. ctx - 1, in order
     ctx: int  # context length after this step
-    # [q, ctx] bool, True where query i may attend to position j; None for a first chunk
-    # (q == ctx), where plain causal attention lets the kernel skip the upper triangle.
+    # [q, ctx - lo] bool, True where query i may attend to position lo + j; None for a first
+    # chunk (q == ctx) without a binding window, where plain causal attention lets the kernel
+    # skip the upper triangle.
     mask: torch.Tensor | None
+    first: bool  # q == ctx: its K/V are this step's, read straight from it
+    lo: int = 0  # the first key position any query reaches (> 0 only under a window)
 
 
 @dataclass(slots=True)
 class _DecodeGroup:
     tokens: torch.Tensor  # [g] flat token index of each row
     blocks: torch.Tensor  # [g * W] the rows' block tables, padded to the group's longest row
-    mask: torch.Tensor  # [g, 1, 1, W * block_size] bool, True at a row's context positions
+    # [g, 1, 1, W * block_size] bool, True at a row's context positions (in its window, in a
+    # windowed plan)
+    mask: torch.Tensor
     width: int  # W
+    ctx_lens: list[int]  # [g]
 
 
 @dataclass(slots=True)
@@ -61,6 +76,15 @@ class _NativeDecode:
     rows: torch.Tensor  # [R] flat token index of each decode row
     block_tables: torch.Tensor  # [R, W] padded with block 0 past each row's context
     context_lens: torch.Tensor  # [R]
+    window: int = 0  # 0, or each row attends to its last `window` positions only
+
+
+@dataclass(slots=True)
+class _GatherBuffers:
+    # Reused by every group and layer, and by the full and windowed plans alike: fresh ones
+    # each layer cost page faults that took longer than the copy itself.
+    k: torch.Tensor | None = None  # [max group g * W, bs * KV * D]
+    v: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -74,10 +98,7 @@ class AttentionPlan:
     # what q.k is multiplied by before the softmax (Gemma's query_pre_attn_scalar ** -0.5);
     # None: head_dim ** -0.5, what SDPA does unasked (and bitwise the same when asked)
     scale: float | None = None
-    # Gather buffers reused by every group and layer: fresh ones each layer cost page faults
-    # that took longer than the copy itself.
-    k_buf: torch.Tensor | None = None  # [max group g * W, bs * KV * D]
-    v_buf: torch.Tensor | None = None
+    bufs: _GatherBuffers = field(default_factory=_GatherBuffers)
 
 
 def plan_attention(
@@ -108,12 +129,55 @@ def plan_attention(
         if q <= 1:
             continue
         ctx = b.context_lens[r]
-        j = torch.arange(ctx, device=device)
         blocks = tensor(b.block_tables[r][: -(-ctx // bs)])
-        # Query i sits at position ctx - q + i and sees positions 0 ..= that.
-        mask = None if q == ctx else j <= torch.arange(ctx - q, ctx, device=device)[:, None]
-        plan.prefills.append(_Prefill(starts[r], starts[r + 1], blocks, ctx, mask))
+        plan.prefills.append(_Prefill(starts[r], starts[r + 1], blocks, ctx,
+                                      _prefill_mask(ctx, q, 0, None, device), q == ctx))
     return plan
+
+
+def _prefill_mask(ctx: int, q: int, lo: int, window: int | None, device: torch.device
+                  ) -> torch.Tensor | None:
+    """[q, ctx - lo]: query i, at position ctx - q + i, sees key positions lo + j up to its
+    own, and under a window only the last `window` of them; None where plain causal
+    attention says it (a first chunk that no window binds)."""
+    if q == ctx and (window is None or ctx <= window):
+        return None
+    i = torch.arange(ctx - q, ctx, device=device)[:, None]
+    j = torch.arange(lo, ctx, device=device)
+    mask = j <= i
+    if window is not None:
+        mask &= j > i - window
+    return mask
+
+
+def windowed(plan: AttentionPlan, b: ForwardBatch, window: int | None) -> AttentionPlan:
+    """The plan for layers with a sliding window: `plan` itself where no row's context
+    exceeds the window (it cannot bind), else a copy that differs only in the window's
+    masks, the native kernel's argument, and which keys a continuation chunk reads."""
+    if window is None or max(b.context_lens, default=0) <= window:
+        return plan
+    native = None if plan.native is None else replace(plan.native, window=window)
+    groups = [grp if max(grp.ctx_lens) <= window else _band_group(grp, window, plan.block_size)
+              for grp in plan.groups]
+    prefills = []
+    for p in plan.prefills:
+        if p.ctx <= window:
+            prefills.append(p)
+            continue
+        q, bs = p.end - p.start, plan.block_size
+        # The earliest query, at ctx - q, reaches back to ctx - q - window + 1: no block before
+        # that one is read (a first chunk's keys are the step's own, all of them needed).
+        lo = 0 if p.first else max(0, p.ctx - q - window + 1) // bs * bs
+        mask = _prefill_mask(p.ctx, q, lo, window, p.blocks.device)
+        prefills.append(replace(p, blocks=p.blocks[lo // bs:], mask=mask, lo=lo))
+    return replace(plan, native=native, groups=groups, prefills=prefills)
+
+
+def _band_group(grp: _DecodeGroup, window: int, bs: int) -> _DecodeGroup:
+    """A decode group's mask narrowed to each row's last `window` positions."""
+    j = torch.arange(grp.width * bs, device=grp.mask.device)
+    lows = torch.tensor([c - window for c in grp.ctx_lens], device=grp.mask.device)
+    return replace(grp, mask=grp.mask & (j >= lows[:, None])[:, None, None, :])
 
 
 def _decode_groups(
@@ -141,7 +205,7 @@ def _decode_groups(
         j = torch.arange(width * bs, device=blocks.device)  # [W * bs] context position
         in_ctx = (j < tensor(ctx_lens)[:, None])[:, None, None, :]
         groups.append(_DecodeGroup(tensor([starts[r] for r in rows]), blocks.view(-1), in_ctx,
-                                   width))
+                                   width, ctx_lens))
     return groups
 
 
@@ -164,23 +228,25 @@ def attend(
         n = plan.native
         assert kernels is not None, "a plan with native decode rows needs the kernels"
         kernels.ops.paged_decode_attention(
-            q, k_cache, v_cache, n.rows, n.block_tables, n.context_lens, bs, scale, out)
+            q, k_cache, v_cache, n.rows, n.block_tables, n.context_lens, bs, scale, out,
+            n.window)
     # The cache seen as whole blocks: gathering a block is one contiguous copy of
     # bs * KV * D values, where gathering slot by slot copied 768-byte rows one at a time.
     k_blocks = k_cache.view(-1, bs * nkv * d)  # [num_blocks, bs * KV * D]
     v_blocks = v_cache.view(-1, bs * nkv * d)
-    if plan.groups and (plan.k_buf is None or plan.v_buf is None):
+    bufs = plan.bufs
+    if plan.groups and (bufs.k is None or bufs.v is None):
         most = max(grp.blocks.shape[0] for grp in plan.groups)
-        plan.k_buf = k_blocks.new_empty((most, bs * nkv * d))
-        plan.v_buf = v_blocks.new_empty((most, bs * nkv * d))
+        bufs.k = k_blocks.new_empty((most, bs * nkv * d))
+        bufs.v = v_blocks.new_empty((most, bs * nkv * d))
     for grp in plan.groups:
-        assert plan.k_buf is not None
-        assert plan.v_buf is not None
+        assert bufs.k is not None
+        assert bufs.v is not None
         # A row's G heads sharing a KV head become that head's G "queries".
         qd = q[grp.tokens].view(-1, nkv, g, d)  # [g, KV, G, D]
         n_blocks = grp.blocks.shape[0]
-        kb = torch.index_select(k_blocks, 0, grp.blocks, out=plan.k_buf[:n_blocks])
-        vb = torch.index_select(v_blocks, 0, grp.blocks, out=plan.v_buf[:n_blocks])
+        kb = torch.index_select(k_blocks, 0, grp.blocks, out=bufs.k[:n_blocks])
+        vb = torch.index_select(v_blocks, 0, grp.blocks, out=bufs.v[:n_blocks])
         kd = kb.view(-1, grp.width * bs, nkv, d).transpose(1, 2)  # [g, KV, S, D]
         vd = vb.view(-1, grp.width * bs, nkv, d).transpose(1, 2)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=grp.mask, scale=scale)
@@ -188,11 +254,11 @@ def attend(
     for p in plan.prefills:
         rows = p.end - p.start
         qp = q[p.start:p.end].view(rows, nkv, g, d).permute(1, 2, 0, 3)  # [KV, G, q, D]
-        if p.mask is None:  # a first chunk: its context is just what this step computed
+        if p.first:  # a first chunk: its context is just what this step computed
             kp, vp = k[p.start:p.end], v[p.start:p.end]  # [ctx, KV, D]
-        else:
-            kp = k_blocks.index_select(0, p.blocks).view(-1, nkv, d)[: p.ctx]
-            vp = v_blocks.index_select(0, p.blocks).view(-1, nkv, d)[: p.ctx]
+        else:  # keys lo .. ctx - 1, from blocks that start at lo (a multiple of bs)
+            kp = k_blocks.index_select(0, p.blocks).view(-1, nkv, d)[: p.ctx - p.lo]
+            vp = v_blocks.index_select(0, p.blocks).view(-1, nkv, d)[: p.ctx - p.lo]
         # [KV, 1, ctx, D] broadcast over the G query heads: a view, not a copy.
         kp = kp.transpose(0, 1)[:, None].expand(nkv, g, -1, d)
         vp = vp.transpose(0, 1)[:, None].expand(nkv, g, -1, d)

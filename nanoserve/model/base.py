@@ -65,13 +65,19 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     local_rope_theta: float | None = None
     local_layers: tuple[int, ...] = ()
+    # Sliding-window attention (Mistral, Gemma 3's local layers, Qwen with use_sliding_window):
+    # on the layers in `window_layers`, the query at position p sees the key at j only when
+    # p - j < sliding_window (the current token counts: at most `window` keys). None and ()
+    # where no layer has a window, or where it is no shorter than the context and never binds.
+    sliding_window: int | None = None
+    window_layers: tuple[int, ...] = ()
 
     @property
     def plain_llama(self) -> bool:
         """No departure that the fused decode stack and the tensor-parallel shards lack."""
         return not (self.qkv_bias or self.qk_norm or self.norm_plus_one or self.sandwich_norms
                     or self.gelu_mlp or self.embed_scale or self.local_layers
-                    or self.query_pre_attn_scalar is not None)
+                    or self.window_layers or self.query_pre_attn_scalar is not None)
 
     @property
     def attention_scale(self) -> float:

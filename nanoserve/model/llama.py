@@ -17,7 +17,12 @@ from safetensors.torch import load_file
 
 from nanoserve.model import native, ops
 from nanoserve.model.architectures import text_weights
-from nanoserve.model.attention import DECODE_GROUP_BYTES, NATIVE_HEAD_DIMS, attend
+from nanoserve.model.attention import (
+    DECODE_GROUP_BYTES,
+    NATIVE_HEAD_DIMS,
+    AttentionPlan,
+    attend,
+)
 from nanoserve.model.base import ForwardBatch, ModelConfig
 from nanoserve.model.linear import mkl_packing_available
 from nanoserve.model.loader import load_model_config
@@ -177,7 +182,7 @@ class LlamaModel:
             else:
                 h = ops.rms_norm(x, self.layers[0].attn_norm, eps, native=nat)
                 for i, layer in enumerate(self.layers):
-                    a = reduce(self._attention(layer, h, cache[i, 0], cache[i, 1], plan))
+                    a = reduce(self._attention(layer, h, cache[i], plan, plan.attention_for(i)))
                     a = ops.norm_if(a, layer.post_attn_norm, eps, native=nat)
                     h = ops.add_rms_norm(x, a, layer.mlp_norm, eps, native=nat)  # x += a
                     m = reduce(layer.down(ops.gate_mul(layer.gate_up(h), gelu=gelu,
@@ -216,9 +221,9 @@ class LlamaModel:
         self,
         layer: LayerWeights,
         h: torch.Tensor,  # [T, hidden]
-        k_cache: torch.Tensor,  # [slots, KV, D]
-        v_cache: torch.Tensor,  # [slots, KV, D]
+        kv: torch.Tensor,  # [2, slots, KV, D]: this layer's K and V cache
         plan: StepPlan,
+        attention: AttentionPlan,  # full, or windowed on a sliding-window layer
     ) -> torch.Tensor:
         c = self.config
         shape = (c.num_heads, c.num_kv_heads, c.head_dim)
@@ -229,7 +234,7 @@ class LlamaModel:
             ops.norm_qk_heads(qkv, shape, layer.q_norm, layer.k_norm, c.rms_norm_eps)
         cos, sin = plan.rope(layer.local_rope)
         q, k, v = ops.rope_store(qkv, shape, cos, sin, plan.positions,
-                                 plan.slot_mapping, k_cache, v_cache,
+                                 plan.slot_mapping, kv[0], kv[1],
                                  native=self.kernels if self.native_layers else None)
-        out = attend(q, k, v, k_cache, v_cache, plan.attention, self.kernels)  # [T, H, D]
+        out = attend(q, k, v, kv[0], kv[1], attention, self.kernels)  # [T, H, D]
         return layer.o(out.view(h.shape[0], -1))  # [T, hidden]

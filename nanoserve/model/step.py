@@ -1,6 +1,7 @@
 """One step's inputs to the Llama forward, prepared once and shared by every layer: the
 batch's lists as index tensors on the device, the RoPE rows for its positions, and the
-attention plan (model/attention.py).
+attention plans (model/attention.py): the full one, and the one the sliding-window layers
+use (the same object where the model has no window or no row's context exceeds it).
 
 Apart from the forward (llama.py) because it is the step's bookkeeping, not its arithmetic:
 host lists turned into device tensors, one host-to-device copy each and no syncs, before
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoserve.model.attention import AttentionPlan, plan_attention
+from nanoserve.model.attention import AttentionPlan, plan_attention, windowed
 from nanoserve.model.base import ForwardBatch, ModelConfig, RopeScaling
 
 
@@ -32,6 +33,16 @@ class StepPlan:
     # the same from the local RoPE table, where the model has one (Gemma's sliding layers)
     local_cos: torch.Tensor | None = None
     local_sin: torch.Tensor | None = None
+    # the plan of the layers in `window_layers` (the config's sliding-window layers)
+    windowed_attention: AttentionPlan | None = None
+    window_layers: frozenset[int] = frozenset()
+
+    def attention_for(self, layer: int) -> AttentionPlan:
+        """The attention plan layer `layer` runs with: windowed or full."""
+        if layer in self.window_layers:
+            assert self.windowed_attention is not None
+            return self.windowed_attention
+        return self.attention
 
     def rope(self, local: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The cos and sin a layer rotates q and k by: local or global."""
@@ -63,6 +74,9 @@ def plan_step(b: ForwardBatch, config: ModelConfig, cache: torch.Tensor, block_s
         return table[positions][:, None, :] if stock else table
 
     row_bytes = block_size * c.num_kv_heads * c.head_dim * cache.element_size()
+    attention = plan_attention(b, block_size=block_size, kv_row_bytes=row_bytes,
+                               group_bytes=group_bytes, native=native_attention,
+                               device=device, scale=c.attention_scale)
     return StepPlan(
         input_ids=tensor(b.input_ids),
         slot_mapping=tensor(b.slot_mapping),
@@ -70,11 +84,11 @@ def plan_step(b: ForwardBatch, config: ModelConfig, cache: torch.Tensor, block_s
         cos=rows(cos),
         sin=rows(sin),
         logits_indices=tensor(b.logits_indices),
-        attention=plan_attention(b, block_size=block_size, kv_row_bytes=row_bytes,
-                                 group_bytes=group_bytes, native=native_attention,
-                                 device=device, scale=c.attention_scale),
+        attention=attention,
         local_cos=None if local_rope is None else rows(local_rope[0]),
         local_sin=None if local_rope is None else rows(local_rope[1]),
+        windowed_attention=windowed(attention, b, c.sliding_window),
+        window_layers=frozenset(c.window_layers),
     )
 
 
