@@ -18,7 +18,7 @@ import torch
 from nanoserve.model.base import ModelConfig
 from nanoserve.model.linear import Proj
 from nanoserve.model.native import Kernels
-from nanoserve.model.quant import QuantProj, QuantWeight, Scratch
+from nanoserve.model.quant import MIXED, QuantProj, QuantWeight, Scratch
 
 
 @dataclass(slots=True)
@@ -118,10 +118,11 @@ def place_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor | Quan
 
 def _fused(parts: list[torch.Tensor | QuantWeight], scratch: Scratch, where: Placement
            ) -> Proj | QuantProj:
-    """Several weights fused along the output: quantized where all share a format that
-    runs here, else float32."""
+    """Several weights fused along the output: quantized where every part is (each in its
+    own format: a GGUF mixes them, Gemma 3's Q4_K_M has q and k in Q5_0 and v in Q8_0, and
+    a fused MIXED weight runs each part's kernel into its own columns), else float32."""
     quant = [q for q in parts if isinstance(q, QuantWeight)]
-    if where.quantized and len(quant) == len(parts) and len({q.format for q in quant}) == 1:
+    if where.quantized and len(quant) == len(parts):
         return QuantProj(QuantWeight.cat(quant), scratch, where.kernels)
     dense = [q.dequantize(where.kernels) if isinstance(q, QuantWeight) else q for q in parts]
     return Proj(torch.cat(dense).to(device=where.device, dtype=where.dtype),
@@ -134,10 +135,12 @@ def decode_stack_weights(layers: list[LayerWeights], usable: bool
     native call (csrc/stack.cpp) when every projection is quantized in one format and the
     model can run it at all (`usable`): the same kernels in the same order, without 300
     calls from Python. The weights are its per-layer lists, gathered once: the same lists
-    every decode step. (None, ()) where the stack does not run."""
+    every decode step. (None, ()) where the stack does not run, as where a fused projection
+    mixes formats (the stack takes one format for all)."""
     formats = {p.weight.format if isinstance(p, QuantProj) else None
                for ly in layers for p in (ly.qkv, ly.o, ly.gate_up, ly.down)}
-    fmt = next(iter(formats)) if len(formats) == 1 and None not in formats and usable else None
+    fmt = (next(iter(formats)) if len(formats) == 1 and not formats & {None, MIXED} and usable
+           else None)
     if fmt is None:
         return None, ()
 

@@ -2,7 +2,8 @@
 nanoserve's kernels (model/csrc/quant.cpp) with float32 activations.
 
 `--quantization` (vLLM's flag) chooses them: `auto` keeps each tensor of a GGUF file in its
-own format wherever a kernel exists (Q4_0, Q4_1, Q8_0) and dequantizes the rest; `none`
+own format wherever a kernel exists (FORMATS: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants
+Q4_K, Q5_K and Q6_K, and F16 and BF16 matrices) and dequantizes the rest; `none`
 dequantizes everything to float32, as nanoserve always did; `q8_0`, `q4_0` or `q4_1`
 quantizes every projection and the embedding to that format with gguf-py (llama.cpp's
 reference quantizers), from whatever the source holds. Norms stay float32.
@@ -29,41 +30,104 @@ from nanoserve.model import native
 from nanoserve.model.int8 import INT8_FROM_ROWS, Int8Weight
 from nanoserve.model.native import Kernels
 
-# Bytes of one block of 32 weights, by format.
-BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
-BLOCK = 32
+
+@dataclass(frozen=True, slots=True)
+class BlockFormat:
+    """A block format's unit: a row of a weight is cols / weights blocks of `bytes` bytes."""
+
+    weights: int
+    bytes: int
+
+
+# Every format with a kernel (csrc/quant.cpp). The K-quants' superblocks hold 256 weights;
+# F16 and BF16 rows are plain 2-byte values, counted in blocks of 32 because the kernels
+# take a row 32 weights at a time (a row must be a multiple of 32 long, as for the rest).
+FORMATS = {
+    "q4_0": BlockFormat(32, 18), "q4_1": BlockFormat(32, 20), "q5_0": BlockFormat(32, 22),
+    "q5_1": BlockFormat(32, 24), "q8_0": BlockFormat(32, 34),
+    "q4_k": BlockFormat(256, 144), "q5_k": BlockFormat(256, 176), "q6_k": BlockFormat(256, 210),
+    "f16": BlockFormat(32, 64), "bf16": BlockFormat(32, 64),
+}
+# Bytes of one block (FORMATS[format].weights weights), by format: its keys are the formats
+# with a kernel, what a GGUF's tensors are kept as (`frozenset(BLOCK_BYTES)`).
+BLOCK_BYTES = {f: b.bytes for f, b in FORMATS.items()}
+BLOCK = 32  # the kernels' unit: every format's block is a whole number of them
+MIXED = "mixed"  # QuantWeight.format of a fused weight whose parts differ in format
 CHOICES = ("auto", "none", "q8_0", "q4_0", "q4_1")
+
+
+def row_bytes(fmt: str, cols: int) -> int:
+    """Bytes of one row of `cols` weights in `fmt` (cols a multiple of its block)."""
+    f = FORMATS[fmt]
+    if cols % f.weights:
+        raise ValueError(f"{fmt}: a row of {cols} weights is not a whole number of its "
+                         f"{f.weights}-weight blocks")
+    return cols // f.weights * f.bytes
 
 
 @dataclass(frozen=True, slots=True)
 class QuantWeight:
-    """A [rows, cols] weight as GGUF blocks: uint8 [rows, cols / 32 * BLOCK_BYTES[format]]."""
+    """A [rows, cols] weight as GGUF blocks: uint8 [rows, row_bytes(format, cols)].
+
+    A fused weight whose parts differ in format (Gemma 3's q and k in Q5_0, v in Q8_0) is
+    `format` MIXED with `parts`, each part's rows after the previous part's; its `blocks` is
+    every part's bytes in one flat uint8 buffer, the parts' blocks views of it (so
+    blocks.nbytes is still the weight's size)."""
 
     blocks: torch.Tensor
     format: str
     cols: int
+    parts: tuple[QuantWeight, ...] = ()
 
     @property
     def rows(self) -> int:
+        if self.parts:
+            return sum(p.rows for p in self.parts)
         return int(self.blocks.shape[0])
+
+    def pieces(self) -> list[tuple[int, QuantWeight]]:
+        """(first row, single-format weight) of each part; [(0, self)] when one format."""
+        out, r = [], 0
+        for p in self.parts or (self,):
+            out.append((r, p))
+            r += p.rows
+        return out
+
+    def dequantize_into(self, ops: Any, out: torch.Tensor) -> None:
+        """Into out [rows, cols] float32 (rows may be a view's, `cols` apart or more)."""
+        for r, p in self.pieces():
+            ops.dequantize(p.blocks, p.format, out[r: r + p.rows])
 
     def dequantize(self, kernels: Kernels | None = None) -> torch.Tensor:
         """[rows, cols] float32, by `kernels` (default: this CPU's; the same bits on every
         instruction set)."""
         out = torch.empty(self.rows, self.cols)
-        _ops(kernels).dequantize(self.blocks, self.format, out)
+        self.dequantize_into(_ops(kernels), out)
         return out
 
     def take_rows(self, ids: torch.Tensor, kernels: Kernels | None = None) -> torch.Tensor:
         """Rows `ids`, dequantized: an embedding lookup. [T] -> [T, cols]."""
+        if self.parts:
+            return self.dequantize(kernels)[ids]
         out = torch.empty(ids.shape[0], self.cols)
         _ops(kernels).dequantize(self.blocks[ids], self.format, out)
         return out
 
     @staticmethod
     def cat(parts: list[QuantWeight]) -> QuantWeight:
-        """Stacked along the rows (a fused projection); all in one format."""
-        return QuantWeight(torch.cat([p.blocks for p in parts]), parts[0].format, parts[0].cols)
+        """Stacked along the rows (a fused projection): one weight in their format where
+        they share one, else a MIXED weight of the parts (each still in its own format)."""
+        flat = [q for p in parts for _, q in p.pieces()]
+        if len({p.format for p in flat}) == 1:
+            return QuantWeight(torch.cat([p.blocks for p in flat]), flat[0].format,
+                               flat[0].cols)
+        buf = torch.cat([p.blocks.reshape(-1) for p in flat])
+        views, at = [], 0
+        for p in flat:
+            n = p.blocks.numel()
+            views.append(QuantWeight(buf[at: at + n].view(p.blocks.shape), p.format, p.cols))
+            at += n
+        return QuantWeight(buf, MIXED, flat[0].cols, tuple(views))
 
 
 def _kernels(kernels: Kernels | None) -> Kernels:
@@ -79,13 +143,17 @@ def _ops(kernels: Kernels | None) -> Any:
 
 
 def quantize(weight: torch.Tensor, fmt: str) -> QuantWeight:
-    """A float weight [rows, cols] in `fmt`, by gguf-py's quantizers (llama.cpp's)."""
+    """A float weight [rows, cols] in `fmt`, by gguf-py's quantizers (llama.cpp's). gguf-py
+    has none for the K-quants (it only reads them): NotImplementedError there."""
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize as gguf_quantize
 
+    row_bytes(fmt, weight.shape[1])  # a whole number of blocks, else ValueError
     qtype = GGMLQuantizationType[fmt.upper()]
     blocks = gguf_quantize(weight.float().numpy(), qtype)
-    return QuantWeight(torch.from_numpy(np.ascontiguousarray(blocks)), fmt, weight.shape[1])
+    # F16 comes back as float16 values, the rest as their bytes: uint8 rows either way
+    blocks = np.ascontiguousarray(blocks).view(np.uint8)
+    return QuantWeight(torch.from_numpy(blocks), fmt, weight.shape[1])
 
 
 # From this many rows a projection dequantizes its whole weight into a scratch buffer and
@@ -162,8 +230,11 @@ class QuantProj:
             x = x.contiguous()
         if x.shape[0] >= self.dense_from:
             dense = self.scratch.matrix(w.rows, w.cols)
-            self.ops.dequantize(w.blocks, w.format, dense)
+            w.dequantize_into(self.ops, dense)  # a mixed weight: each part into its rows
             return x @ dense.t()
         out = torch.empty(x.shape[0], w.rows, dtype=torch.float32, device=x.device)
-        self.ops.quant_linear(x, w.blocks, w.format, out)
+        # A mixed weight: each part's kernel writes its own columns of the one output (the
+        # kernel takes the output's row stride), the same values as that part alone.
+        for r, p in w.pieces():
+            self.ops.quant_linear(x, p.blocks, p.format, out[:, r: r + p.rows])
         return out

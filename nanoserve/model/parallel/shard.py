@@ -26,7 +26,7 @@ from collections.abc import Mapping
 import torch
 
 from nanoserve.model.base import ModelConfig
-from nanoserve.model.quant import BLOCK, BLOCK_BYTES, QuantWeight
+from nanoserve.model.quant import FORMATS, QuantWeight
 
 Weight = torch.Tensor | QuantWeight
 
@@ -81,20 +81,23 @@ def kv_heads_of(config: ModelConfig, rank: int, n: int) -> range:
 
 
 def rows(w: Weight, start: int, stop: int) -> Weight:
-    """Output rows [start, stop) of a [out, in] weight."""
+    """Output rows [start, stop) of a [out, in] weight (not yet fused: one format)."""
     if isinstance(w, QuantWeight):
+        assert not w.parts, "shard before fusing: a mixed weight's rows are its parts'"
         return QuantWeight(w.blocks[start:stop].contiguous(), w.format, w.cols)
     return w[start:stop].contiguous()
 
 
 def cols(w: Weight, start: int, stop: int) -> Weight:
     """Input columns [start, stop) of a [out, in] weight. Quantized blocks hold 32 columns
-    each: a cut inside a block dequantizes that weight to float32 instead."""
+    each, a K-quant's 256 (quant.FORMATS): a cut inside a block dequantizes that weight to
+    float32 instead, as it would be without a kernel."""
     if isinstance(w, QuantWeight):
-        if start % BLOCK == 0 and stop % BLOCK == 0:
-            b = BLOCK_BYTES[w.format]
-            return QuantWeight(w.blocks[:, start // BLOCK * b: stop // BLOCK * b].contiguous(),
-                               w.format, stop - start)
+        assert not w.parts, "shard before fusing: a mixed weight's rows are its parts'"
+        f = FORMATS[w.format]
+        if start % f.weights == 0 and stop % f.weights == 0:
+            a, b = start // f.weights * f.bytes, stop // f.weights * f.bytes
+            return QuantWeight(w.blocks[:, a:b].contiguous(), w.format, stop - start)
         w = w.dequantize()
     return w[:, start:stop].contiguous()
 
