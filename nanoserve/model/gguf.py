@@ -1,5 +1,5 @@
-"""Reading a GGUF file (llama, qwen2 or qwen3): its tensors under Hugging Face names, its
-metadata as a Hugging Face config, and its tokenizer.
+"""Reading a GGUF file (llama, qwen2, qwen3 or gemma3): its tensors under Hugging Face names,
+its metadata as a Hugging Face config, and its tokenizer.
 
 The one subtle step is the Q/K row order of a llama file. llama.cpp's default RoPE rotates
 *adjacent* pairs of a head's dimensions, (2i, 2i+1), by angle pos * theta_i, while the
@@ -8,8 +8,16 @@ llama.cpp's converter therefore permutes the rows of each head's Q and K project
 GGUF row 2i is HF row i and GGUF row 2i+1 is HF row i + d/2: per head, the d rows are
 viewed as [2, d/2] and transposed to [d/2, 2]. We undo it by viewing them as [d/2, 2] and
 transposing back. Only Q and K are permuted (V and O do not see RoPE), and K uses the KV
-head count. Qwen files are not permuted: llama.cpp runs their RoPE in the Hugging Face
+head count. Qwen and Gemma files are not permuted: llama.cpp runs their RoPE in the Hugging Face
 (NEOX) pairing.
+
+Gemma 3 files differ in two more ways. llama.cpp's converter stores each RMSNorm weight
+as 1 + w (Gemma scales by 1 + w; ggml's norm by w), so the reader takes the 1 away again,
+in float32, as transformers' GGUF loader does; the model adds it back at load
+(model/placement.py), the same two roundings transformers makes. And the file leaves out
+what llama.cpp hard-codes for the architecture: the local RoPE base (10,000), one global
+layer in six, and query_pre_attn_scalar (the head size; n_embd / n_head for the 27B, the
+one size with 62 layers).
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ log = logging.getLogger("nanoserve.model.loader")
 
 # The GGUF architectures nanoserve reads (general.architecture); each is its own metadata
 # key prefix and model_type.
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 # GGUF per-layer tensor name -> Hugging Face Llama name (after "model.layers.{i}.").
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -40,6 +48,11 @@ _LAYER_NAMES = {
     "attn_q_norm": "self_attn.q_norm",  # qwen3
     "attn_k_norm": "self_attn.k_norm",
 }
+# Gemma 3's four norms a layer: its ffn_norm is the MLP's input norm, and two more follow
+# the attention and the MLP.
+_GEMMA3_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                 "post_attention_norm": "post_attention_layernorm",
+                 "post_ffw_norm": "post_feedforward_layernorm"}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -74,16 +87,18 @@ def open_gguf(path: Path) -> Any:
 
 def gguf_architecture(reader: Any, where: Path) -> str:
     """The file's architecture, or a ValueError naming those nanoserve reads; and any
-    RoPE scaling it declares, refused (Llama 3.1's comes as a rope_freqs tensor)."""
+    RoPE scaling it declares other than linear, refused (Llama 3.1's comes as a rope_freqs
+    tensor)."""
     arch = gguf_field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"{where}: GGUF architecture {arch!r} is not supported; nanoserve "
                          f"reads {', '.join(GGUF_ARCHITECTURES)}")
     scaling = gguf_field(reader, f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none") or any(t.name == "rope_freqs.weight"
-                                            for t in reader.tensors):
-        raise ValueError(f"{where}: RoPE scaling in a GGUF file is not supported (a Hugging "
-                         "Face folder's llama3 rope_scaling is)")
+    if scaling not in (None, "none", "linear") or any(t.name == "rope_freqs.weight"
+                                                      for t in reader.tensors):
+        raise ValueError(f"{where}: RoPE scaling {scaling or 'llama3'!r} in a GGUF file is not "
+                         "supported (linear is; a Hugging Face folder's llama3 rope_scaling "
+                         "is)")
     _check_tensor_types(reader, where)
     return str(arch)
 
@@ -129,13 +144,16 @@ def read_gguf_weights(gguf: Path, *, keep: frozenset[str]) -> dict[str, Any]:
     copied: dict[str, int] = {}  # block formats with no kernel here: dequantized to float32
     for t in reader.tensors:
         fmt = t.tensor_type.name.lower()
-        kept = fmt in keep
+        kept = fmt in keep and len(t.shape) == 2  # (an F16 norm is a vector: float32)
         if not kept and keep and fmt not in ("f32", "f16", "bf16"):
             copied[fmt] = copied.get(fmt, 0) + 1
-        # Quantized rows as bytes [rows, row bytes]; anything else dequantized to [rows, cols].
-        w = (np.array(t.data, dtype=np.uint8) if kept
-             else np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
-        name, kind = hf_name(gguf, t.name)
+        # Kept rows as their bytes [rows, row bytes] (a view: F16 and BF16 rows too);
+        # anything else dequantized to [rows, cols].
+        w = (np.ascontiguousarray(t.data).view(np.uint8).reshape(int(t.shape[-1]), -1)
+             if kept else np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
+        name, kind = hf_name(gguf, t.name, arch)
+        if arch == "gemma3" and t.name.endswith("norm.weight"):
+            w = w - np.float32(1.0)  # the converter's 1 + w (module docstring)
         if permuted and kind == "attn_q":
             w = unpermute_rope_rows(w, n_heads)
         elif permuted and kind == "attn_k":
@@ -149,14 +167,15 @@ def read_gguf_weights(gguf: Path, *, keep: frozenset[str]) -> dict[str, Any]:
     return out
 
 
-def hf_name(gguf: Path, name: str) -> tuple[str, str | None]:
+def hf_name(gguf: Path, name: str, arch: str = "llama") -> tuple[str, str | None]:
     """A GGUF tensor name -> (Hugging Face name, the GGUF layer tensor kind or None)."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name], None
+    names = _GEMMA3_NAMES if arch == "gemma3" else _LAYER_NAMES
     blk, layer, kind, suffix = name.split(".")
-    if blk != "blk" or kind not in _LAYER_NAMES or suffix not in ("weight", "bias"):
+    if blk != "blk" or kind not in names or suffix not in ("weight", "bias"):
         raise ValueError(f"{gguf}: unexpected tensor {name}")
-    return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}", kind
+    return f"model.layers.{layer}.{names[kind]}.{suffix}", kind
 
 
 def hf_config(reader: Any, *, vocab_size: int, hidden_size: int, tied: bool) -> dict[str, Any]:
@@ -175,9 +194,12 @@ def hf_config(reader: Any, *, vocab_size: int, hidden_size: int, tied: bool) -> 
     bos = gguf_field(reader, "tokenizer.ggml.bos_token_id")
     # GGUF stores eps as float32 (9.9999997e-06); its 7 significant digits are all it means.
     eps = float(f"{float(field('attention.layer_norm_rms_epsilon')):.7g}")
-    return {
+    scaling = None
+    if field("rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": float(field("rope.scaling.factor"))}
+    cfg = {
         "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                           "qwen3": "Qwen3ForCausalLM"}[arch]],
+                           "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}[arch]],
         "model_type": arch,
         "vocab_size": vocab_size,
         "hidden_size": hidden_size,
@@ -189,7 +211,7 @@ def hf_config(reader: Any, *, vocab_size: int, hidden_size: int, tied: bool) -> 
         "hidden_act": "silu",
         "rms_norm_eps": eps,
         "rope_theta": float(field("rope.freq_base", 10000.0)),
-        "rope_scaling": None,
+        "rope_scaling": scaling,
         "max_position_embeddings": int(field("context_length")),
         "tie_word_embeddings": tied,
         "attention_bias": False,
@@ -199,6 +221,14 @@ def hf_config(reader: Any, *, vocab_size: int, hidden_size: int, tied: bool) -> 
         "pad_token_id": gguf_field(reader, "tokenizer.ggml.padding_token_id"),
         "torch_dtype": "float32",
     }
+    if arch == "gemma3":
+        layers = cfg["num_hidden_layers"]
+        cfg |= {"model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh",
+                "sliding_window": field("attention.sliding_window"),
+                "sliding_window_pattern": 6, "rope_local_base_freq": 10000.0,
+                "query_pre_attn_scalar": hidden_size // n_heads if layers == 62 else head_dim}
+        del cfg["hidden_act"]
+    return cfg
 
 
 def write_tokenizer(gguf_path: Path, out: Path, *, context_length: int) -> None:
