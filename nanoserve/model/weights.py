@@ -34,9 +34,9 @@ def llama_weights(name: str, *, device: str, dtype: str, quantization: str
                   ) -> tuple[ModelConfig, dict[str, Any]]:
     """(config, weights by Hugging Face name) of `smollm2` or a Llama folder or GGUF path."""
     from nanoserve.model.llama import load_weights
-    from nanoserve.model.loader import load_model_config, resolve_model
+    from nanoserve.model.loader import EMBEDDED, load_model_config, resolve_model
 
-    folder = resolve_model(name) if name == "smollm2" else resolve_model(str(Path(name)))
+    folder = resolve_model(name) if name in EMBEDDED else resolve_model(str(Path(name)))
     weights = _quantized_weights(name, folder, quantization, device, dtype)
     return load_model_config(folder), weights if weights is not None else load_weights(folder)
 
