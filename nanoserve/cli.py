@@ -26,7 +26,7 @@ def _generate(a: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed)
     prompt = a.prompt
     if a.chat:
-        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": a.prompt}])
+        prompt = llm.tokenizer.encode_chat([{"role": "user", "content": a.prompt}])
     try:
         out = llm.generate(prompt, params, use_tqdm=False)[0]  # one prompt: no bar
     except ParamError as exc:  # the prompt against --max-tokens and the context

@@ -107,5 +107,4 @@ class LLM:
         messages: Sequence[Mapping[str, Any]],
         params: SamplingParams | None = None,
     ) -> RequestOutput:
-        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return self.generate(prompt, params)[0]
+        return self.generate(self.tokenizer.encode_chat(messages), params)[0]

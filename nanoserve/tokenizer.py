@@ -97,6 +97,16 @@ class Tokenizer:
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A text prompt's ids as vLLM and transformers make them: with the tokenizer's own
+        special tokens (Gemma's and Llama's <bos>; SmolLM2's adds none). A rendered chat
+        template holds its own, so chat text goes through `encode` instead."""
+        return self.encode(text, add_special_tokens=True)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """`messages` through the chat template, as ids (see encode_prompt)."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt=True))
+
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
 

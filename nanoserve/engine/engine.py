@@ -67,7 +67,8 @@ class Engine:
     def prepare(self, prompt: str | Sequence[int], params: SamplingParams) -> Prepared:
         """Tokenize and validate, changing nothing: any task may call this while a step runs,
         so every error that is knowable before the first token surfaces before admission."""
-        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        prompt_ids = (self.tokenizer.encode_prompt(prompt) if isinstance(prompt, str)
+                      else list(prompt))
         if params.guided is not None:  # compiled here, off the step (and cached)
             try:
                 self.grammars.check(params.guided)

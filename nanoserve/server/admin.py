@@ -75,7 +75,11 @@ async def tokenize() -> Response:
         raise bad_request("prompt", "prompt (a string) or messages is required", "missing")
     else:
         text = req.prompt
-    ids = r.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
+    # vLLM's defaults, which are what generation does: a prompt gets the tokenizer's special
+    # tokens, rendered messages only the template's
+    specials = (req.messages is None if req.add_special_tokens is None
+                else req.add_special_tokens)
+    ids = r.tokenizer.encode(text, add_special_tokens=bool(specials))
     # The vocabulary's own strings ("Ġis"), as vLLM returns them: a client maps these
     # back to ids, which decoded text (" is") cannot do.
     strs = ([r.tokenizer.id_to_token(t) or "" for t in ids] if req.return_token_strs

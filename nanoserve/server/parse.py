@@ -183,7 +183,9 @@ def chat(
             raise bad_request("top_logprobs", exc.message.replace("logprobs", "top_logprobs",
                                                                   1)) from None
         raise from_param_error(exc) from None
-    return GenerateRequest((text,), params, *stream, False, *_returns(req))
+    # As ids: the template wrote the special tokens it wants (a text prompt gets the
+    # tokenizer's own, Tokenizer.encode_prompt)
+    return GenerateRequest((tokenizer.encode(text),), params, *stream, False, *_returns(req))
 
 
 def chat_text(messages: Sequence[Message], add_generation_prompt: bool | None,
@@ -191,6 +193,10 @@ def chat_text(messages: Sequence[Message], add_generation_prompt: bool | None,
               now: Callable[[], float] = time.time) -> str:
     """`messages` rendered through the chat template (the server's, else the model's);
     `now` is the clock a template's `strftime_now` reads (the app's injected one)."""
+    if template is None and tokenizer.chat_template is None:  # a base model (vLLM's 400 too)
+        raise bad_request("messages", "this model has no chat template (a base model): use "
+                                      "/v1/completions, or start the server with "
+                                      "--chat-template")
     try:
         return tokenizer.apply_chat_template(
             [m.as_dict() for m in messages],
