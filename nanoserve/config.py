@@ -9,8 +9,16 @@ it again, with the same words, from the loaded model.
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+# The least context an unset max_model_len is cut to when the model's own does not fit the
+# KV pool (Ollama's default context); a smaller pool is refused, as any pool that cannot
+# hold one sequence of an explicit max_model_len is.
+_SHORTEST_DEFAULT_CONTEXT = 4096
 
 
 class ConfigError(ValueError):
@@ -73,7 +81,9 @@ class EngineConfig:
         """This configuration on a model of `context_len` tokens whose KV takes
         `kv_bytes_per_block` bytes a block (0: the stub, which keeps none). Refuses, as vLLM
         does, a pool that cannot hold one sequence of max_model_len: a server that admits a
-        request it can never finish is broken at start-up, not at the first long prompt."""
+        request it can never finish is broken at start-up, not at the first long prompt.
+        Where max_model_len is unset, a model's context longer than the pool is cut to what
+        the pool holds, if that is at least _SHORTEST_DEFAULT_CONTEXT tokens."""
         max_len = self.max_model_len or context_len
         if max_len > context_len:
             raise ConfigError(f"max_model_len {max_len} exceeds the model's context of "
@@ -90,6 +100,14 @@ class EngineConfig:
                     f"block = {num_blocks} blocks")
         else:
             num_blocks, pool = self.stub_num_blocks, f"the stub's {self.stub_num_blocks} blocks"
+        if num_blocks * bs < max_len and not self.max_model_len and \
+                num_blocks * bs >= _SHORTEST_DEFAULT_CONTEXT:
+            # Unasked, serve what the pool holds (a Gemma 3's 32k or a Llama 3.1's 128k
+            # context is more than the default 1 GiB pool), as llama.cpp serves its -c.
+            log.warning("max_model_len: the model's context of %d tokens is more than the KV "
+                        "pool holds; serving %d (raise kv_cache_memory for more)", max_len,
+                        num_blocks * bs)
+            max_len = num_blocks * bs
         if num_blocks * bs < max_len:
             whose = "" if self.max_model_len else " (the model's context)"
             raise ConfigError(
