@@ -40,6 +40,7 @@ from typing import Any
 
 import httpx
 
+from nanoserve.model.loader import EMBEDDED, embedded_path
 from sim.bench.guidellm import GUIDELLM, guidellm_command, offline_env, summarize
 from sim.bench.online import stop, wait_healthy
 from sim.files import atomic_write_text
@@ -80,21 +81,24 @@ def batched_bench(bins: Path, gguf: Path) -> dict[str, float]:
     return {"pp_tok_s": float(cells[5]), "tg_tok_s": float(cells[7])}
 
 
-def nanoserve_bench(n: int, isa: str, int8: bool = False) -> dict[str, Any]:
+def nanoserve_bench(n: int, isa: str, int8: bool = False, model: str = "smollm2"
+                    ) -> dict[str, Any]:
     flag = ["--int8-activations"] if int8 else []
-    out = subprocess.run([PY, "-m", "nanoserve.cli", "bench", "--n", str(n), "--quiet", *flag],
+    out = subprocess.run([PY, "-m", "nanoserve.cli", "bench", "--model", model, "--n", str(n),
+                          "--quiet", *flag],
                          check=True, capture_output=True, text=True, env=nanoserve_env(isa))
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
 
 
-def serve(kind: str, bins: Path, gguf: Path, port: int, isa: str, quantization: str = "auto"
-          ) -> subprocess.Popen[bytes]:
+def serve(kind: str, bins: Path, gguf: Path, port: int, isa: str, quantization: str = "auto",
+          model: str = "smollm2") -> subprocess.Popen[bytes]:
     if kind == "llama-server":
         cmd = [str(bins / "llama-server"), "-m", str(gguf), "-t", "2", "-np", "16", "-c", "4096",
                "--host", "127.0.0.1", "--port", str(port)]
     else:
-        cmd = [PY, "-m", "nanoserve.cli", "serve", "--port", str(port), "--log-level",
+        cmd = [PY, "-m", "nanoserve.cli", "serve", "--model", model, "--port", str(port),
+               "--log-level",
                "warning", "--quantization", quantization,
                *(["--int8-activations"] if kind == "nanoserve-int8" else [])]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -150,19 +154,20 @@ def main(argv: list[str] | None = None) -> int:
                     help="requests of the offline `nanoserve bench --n` [32]")
     ap.add_argument("--int8-activations", action="store_true",
                     help="also nanoserve with --int8-activations, offline and online")
+    ap.add_argument("--model", choices=EMBEDDED, default=EMBEDDED[0],
+                    help="the embedded model both run, from its one GGUF file [smollm2]")
     a = ap.parse_args(argv)
-    from nanoserve.model.loader import embedded_gguf_path
-
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    gguf = embedded_gguf_path()
+    gguf = embedded_path(a.model)
     bins = build(a.isa)
     print(f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}, load average {os.getloadavg()}; "
           f"{gguf.name}; llama.cpp from {bins}; --isa {a.isa}", flush=True)
     r: dict[str, Any] = {"isa": a.isa, "llama_bench": llama_bench(bins, gguf),
-                         "nanoserve_bench": nanoserve_bench(a.offline_n, a.isa)}
+                         "nanoserve_bench": nanoserve_bench(a.offline_n, a.isa, model=a.model)}
     if a.int8_activations:
-        r["nanoserve_bench_int8"] = nanoserve_bench(a.offline_n, a.isa, int8=True)
+        r["nanoserve_bench_int8"] = nanoserve_bench(a.offline_n, a.isa, int8=True,
+                                                    model=a.model)
     print(f"batch-1 decode: llama-bench tg64 {r['llama_bench']['tg64']} tok/s, nanoserve "
           f"{r['nanoserve_bench']['single_decode_tokens_per_s']} tok/s", flush=True)
     r["llama_batched_bench"] = batched_bench(bins, gguf)
@@ -171,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     for k in range(a.rounds):
         for kind in ("llama-server", "nanoserve",
                      *(["nanoserve-int8"] if a.int8_activations else [])):
-            proc = serve(kind, bins, gguf, a.port, a.isa)
+            proc = serve(kind, bins, gguf, a.port, a.isa, model=a.model)
             try:
                 model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
                 for c, n in ((1, a.n1), (16, a.n16)):
@@ -185,12 +190,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {k + 1}: {kind} done", flush=True)
     r["rss_mib"] = {}
     for q in ("auto", "none"):
-        proc = serve("nanoserve", bins, gguf, a.port, a.isa, quantization=q)
+        proc = serve("nanoserve", bins, gguf, a.port, a.isa, quantization=q, model=a.model)
         try:
             r["rss_mib"][q] = rss_mib(url)
         finally:
             stop(proc)
-    atomic_write_text(out / f"llamacpp_side_by_side_{a.isa}.json",
+    r["model"] = a.model
+    atomic_write_text(out / f"llamacpp_side_by_side_{a.model}_{a.isa}.json",
                       json.dumps(r, indent=1) + "\n")
     print(report(r))
     return 0
@@ -199,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
 def report(r: dict[str, Any]) -> str:
     nb, lb = r["nanoserve_bench"], r["llama_bench"]
     lines = [
-        f"--isa {r.get('isa', 'native')}: nanoserve's {nb.get('isa', '?')} kernels",
+        f"{r.get('model', 'smollm2')}, --isa {r.get('isa', 'native')}: nanoserve's "
+        f"{nb.get('isa', '?')} kernels",
         f"batch-1 decode tok/s: nanoserve {nb['single_decode_tokens_per_s']}, llama-bench tg64 "
         f"{lb['tg64']} ({nb['single_decode_tokens_per_s'] / lb['tg64']:.2f}x); bound "
         f"{nb['bandwidth_bound_tokens_per_s']} ({nb['single_decode_tokens_per_s'] / nb['bandwidth_bound_tokens_per_s']:.0%} of it: "  # noqa: E501
@@ -212,7 +219,8 @@ def report(r: dict[str, Any]) -> str:
         f"llama-batched-bench's TG), {nb['fraction_of_mm_peak']:.0%} of a 2048 mm's "
         f"{nb['mm2048_gflops']} GFLOP/s",
         *([_int8_line(r["nanoserve_bench_int8"], r)] if "nanoserve_bench_int8" in r else []),
-        f"RSS after one request, MiB: nanoserve Q4_1 {r['rss_mib']['auto']}, float32 "
+        f"RSS after one request, MiB: nanoserve, the GGUF's blocks {r['rss_mib']['auto']}, "
+        f"float32 "
         f"{r['rss_mib']['none']}",
     ]
     for what in ("online", "guidellm"):
