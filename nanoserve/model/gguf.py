@@ -147,10 +147,10 @@ def read_gguf_weights(gguf: Path, *, keep: frozenset[str]) -> dict[str, Any]:
         kept = fmt in keep and len(t.shape) == 2  # (an F16 norm is a vector: float32)
         if not kept and keep and fmt not in ("f32", "f16", "bf16"):
             copied[fmt] = copied.get(fmt, 0) + 1
-        # Kept rows as their bytes [rows, row bytes] (a view: F16 and BF16 rows too);
-        # anything else dequantized to [rows, cols].
-        w = (np.ascontiguousarray(t.data).view(np.uint8).reshape(int(t.shape[-1]), -1)
-             if kept else np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
+        # Kept rows as their bytes [rows, row bytes] (F16 and BF16 rows too), copied out of
+        # the file's read-only map; anything else dequantized to [rows, cols].
+        w = (np.array(t.data).view(np.uint8).reshape(int(t.shape[-1]), -1) if kept
+             else np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
         name, kind = hf_name(gguf, t.name, arch)
         if arch == "gemma3" and t.name.endswith("norm.weight"):
             w = w - np.float32(1.0)  # the converter's 1 + w (module docstring)
