@@ -1,6 +1,7 @@
 """Token identity with transformers for GGUF files of each architecture nanoserve reads
-from GGUF (llama, qwen2, qwen3), written with gguf-py as llama.cpp's converter writes them
-(tests/support/write_gguf.py), in F32 or Q8_0.
+from GGUF (llama, qwen2, qwen3, gemma3), written with gguf-py as llama.cpp's converter writes
+them (tests/support/write_gguf.py), in F32 or Q8_0. (gguf-py has no K-quant quantizer: the
+embedded Gemma 3 file's Q4_K, Q5_0 and Q6_K blocks are tested in test_gemma3_embedded.py.)
 
 nanoserve reads the file itself (metadata, tokenizer, tensors: Q8_0 blocks kept as blocks);
 transformers reads the same file through its own GGUF loader (`gguf_file=`), which
@@ -32,12 +33,20 @@ from nanoserve.model.quant import BLOCK_BYTES, QuantProj, QuantWeight
 
 # GGUF architecture -> the tiny checkpoint it is written from (Mistral's shape is a llama
 # file in llama.cpp: the converter writes it so).
-KINDS = {"llama": "mistral", "qwen2": "qwen2-untied", "qwen3": "qwen3"}
+KINDS = {"llama": "mistral", "qwen2": "qwen2-untied", "qwen3": "qwen3", "gemma3": "gemma3"}
+# A Gemma 3 file holds only what transformers' GGUF reader maps; the rest is what llama.cpp
+# hard-codes (one global layer in six, local RoPE base 10,000, query_pre_attn_scalar the
+# head size, no RoPE scaling), so the checkpoint is made so. Its window is shorter than the
+# prompts: the windowed layers slide.
+OVERRIDES = {"gemma3": {"num_hidden_layers": 6, "head_dim": 256, "sliding_window": 16,
+                        "layer_types": None, "rope_local_base_freq": 10000.0,
+                        "query_pre_attn_scalar": 256, "rope_scaling": None}}
 
 
 # Each architecture once (a file's setup costs transformers' GGUF reading twice), F32 and
 # Q8_0 both covered: F32 tensors become float32 projections, Q8_0 stay blocks.
-@pytest.fixture(scope="module", params=[("llama", "F32"), ("qwen2", "Q8_0"), ("qwen3", "Q8_0")],
+@pytest.fixture(scope="module", params=[("llama", "F32"), ("qwen2", "Q8_0"), ("qwen3", "Q8_0"),
+                                        ("gemma3", "Q8_0")],
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def gguf_file(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
               smollm2_folder: Path) -> tuple[str, str, Path, list[RefCase]]:
@@ -45,7 +54,7 @@ def gguf_file(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 
     arch, quant = request.param
     folder = tmp_path_factory.mktemp(f"{arch}-{quant}")
-    hf = write_checkpoint(KINDS[arch], folder, smollm2_folder)
+    hf = write_checkpoint(KINDS[arch], folder, smollm2_folder, OVERRIDES.get(arch))
     tensors = dict(hf.state_dict())
     if hf.config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)

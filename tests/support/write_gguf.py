@@ -1,8 +1,9 @@
 """A GGUF file written with gguf-py from a Hugging Face checkpoint's tensors, laid out as
 llama.cpp's converter lays one out, for tests that read GGUF files of architectures the
 embedded model is not: the metadata under the architecture's own key prefix, llama files'
-Q/K rows permuted to llama.cpp's RoPE pairing (Qwen files are not), and the tokenizer's
-fields copied from SmolLM2's own GGUF (a byte-level BPE vocabulary of 49,152 tokens).
+Q/K rows permuted to llama.cpp's RoPE pairing (Qwen and Gemma files are not), Gemma's norms
+stored as 1 + w under its own names, and the tokenizer's fields copied from SmolLM2's own
+GGUF (a byte-level BPE vocabulary of 49,152 tokens).
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
           "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+# Gemma 3's: the MLP's input norm is its ffn_norm, and a norm after the attention and the MLP
+_GEMMA3 = {**_LAYER, "pre_feedforward_layernorm": "ffn_norm",
+           "post_attention_layernorm": "post_attention_norm",
+           "post_feedforward_layernorm": "post_ffw_norm"}
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight",
            "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
 _TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
@@ -38,19 +43,19 @@ def permute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, d // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_name(hf: str) -> str:
+def gguf_name(hf: str, arch: str = "llama") -> str:
     if hf in _GLOBAL:
         return _GLOBAL[hf]
     _, _, layer, rest = hf.split(".", 3)
     base, suffix = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_LAYER[base]}.{suffix}"
+    return f"blk.{layer}.{(_GEMMA3 if arch == 'gemma3' else _LAYER)[base]}.{suffix}"
 
 
 def write_gguf(path: Path, arch: str, config: Any, tensors: dict[str, torch.Tensor],
                quant: str = "F32") -> Path:
     """Write `tensors` (Hugging Face names, float32) as a GGUF of `arch` ("llama", "qwen2",
-    "qwen3"); matrices in `quant` ("F32", or a block format gguf-py quantizes: "Q8_0",
-    "Q5_0", ...), vectors (norms, biases) in F32."""
+    "qwen3", "gemma3"); matrices in `quant` ("F32", or a block format gguf-py quantizes:
+    "Q8_0", "Q5_0", ...), vectors (norms, biases) in F32."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(config.num_hidden_layers)
     w.add_context_length(config.max_position_embeddings)
@@ -61,20 +66,25 @@ def write_gguf(path: Path, arch: str, config: Any, tensors: dict[str, torch.Tens
     w.add_key_length(config.head_dim)
     w.add_value_length(config.head_dim)
     w.add_rope_dimension_count(config.head_dim)
-    w.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    rope = config.rope_parameters  # Gemma 3's: one entry per layer type
+    w.add_rope_freq_base(float(rope.get("full_attention", rope)["rope_theta"]))
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if arch == "gemma3":
+        w.add_sliding_window(config.sliding_window)
     _copy_tokenizer(w)
     for name, t in tensors.items():
         a = t.detach().float().numpy()
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            a = a + np.float32(1.0)  # llama.cpp's converter stores Gemma's 1 + w
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = (config.num_attention_heads if "q_proj" in name
                      else config.num_key_value_heads)
             a = permute_rope_rows(a, heads)
         if quant != "F32" and a.ndim == 2:
             qtype = gguf.GGMLQuantizationType[quant]
-            w.add_tensor(gguf_name(name), quantize(a, qtype), raw_dtype=qtype)
+            w.add_tensor(gguf_name(name, arch), quantize(a, qtype), raw_dtype=qtype)
         else:
-            w.add_tensor(gguf_name(name), np.ascontiguousarray(a))
+            w.add_tensor(gguf_name(name, arch), np.ascontiguousarray(a))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
