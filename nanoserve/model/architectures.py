@@ -5,17 +5,21 @@ families really differ:
 
 - `llama`: Llama 2 and 3.x; Llama 3.1's RoPE scaling (`rope_type: llama3`), tied or untied
   heads.
-- `mistral`: Llama-shaped. Its sliding window is honoured by never letting it slide: the
-  context is capped at the window, within which every token sees every earlier one (the
-  mask's condition, query minus key position below the window, always holds).
+- `mistral`: Llama-shaped, with a sliding window on every layer (where its config sets one).
 - `qwen2` (Qwen2, Qwen2.5): biases on the q, k and v projections.
 - `qwen3`: an RMSNorm over each q and k head before RoPE, no biases.
 - `gemma3` (`gemma3_text`, and the text part of a `gemma3` image-text config): Qwen3's head
   norms, RMSNorms that scale by (1 + w), a norm on the attention and on the MLP output
   before each residual add, gelu (tanh) on the gate, embeddings times sqrt(hidden), q.k
   scaled by query_pre_attn_scalar ** -0.5, and two RoPE bases: `rope_local_base_freq` on
-  the sliding-window layers, `rope_theta` on the global ones. The window is honoured as
-  Mistral's is: the context is capped at it, so that no layer's window ever slides.
+  the sliding-window layers, `rope_theta` on the global ones.
+
+Sliding windows are real (model/attention.py): on a windowed layer the query at position p
+sees the key at j iff j <= p and p - j < window, as in transformers, and the context is
+the model's whole max_position_embeddings. Which layers have the window is transformers'
+rule: all of Mistral's (its modeling ignores layer_types); Gemma 3's `sliding_attention`
+layers; Qwen2/3's only with `use_sliding_window`, then their `sliding_attention` layer_types,
+else the layers from `max_window_layers` on.
 
 The architecture is the config's `model_type`, else the first of `architectures` nanoserve
 knows; anything else is refused with one message that names what nanoserve runs.
@@ -24,12 +28,9 @@ knows; anything else is refused with one message that names what nanoserve runs.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Any
 
 from nanoserve.model.base import ModelConfig, RopeScaling
-
-log = logging.getLogger(__name__)
 
 # model_type -> the transformers class names that mean it
 ARCHITECTURES: dict[str, tuple[str, ...]] = {
@@ -76,11 +77,7 @@ def model_config(cfg: dict[str, Any], where: str) -> ModelConfig:
     eos = cfg.get("eos_token_id")
     eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
     max_pos = int(cfg.get("max_position_embeddings", 2048))
-    window = _sliding_window(arch, cfg)
-    if window is not None and window < max_pos:
-        log.info("%s: %s's sliding window of %d tokens never slides here: the context is "
-                 "capped at it (max_position_embeddings %d)", where, arch, window, max_pos)
-        max_pos = window
+    window, window_layers = _sliding_window(arch, cfg, max_pos)
     llama3, linear = _rope_scaling(cfg, where)
     config = ModelConfig(
         vocab_size=int(cfg["vocab_size"]),
@@ -101,6 +98,8 @@ def model_config(cfg: dict[str, Any], where: str) -> ModelConfig:
         qk_norm=arch in ("qwen3", "gemma3"),
         rope_scaling=llama3,
         rope_linear_factor=linear,
+        sliding_window=window,
+        window_layers=window_layers,
     )
     return _with_gemma3(config, cfg) if arch == "gemma3" else config
 
@@ -146,7 +145,7 @@ def gemma3_text_config(cfg: dict[str, Any], where: str) -> dict[str, Any]:
         text["layer_types"] = ["sliding_attention" if (i + 1) % n else "full_attention"
                                for i in range(int(text["num_hidden_layers"]))]
     if "sliding_attention" not in text["layer_types"]:
-        text["sliding_window"] = None  # no layer has a window: nothing caps the context
+        text["sliding_window"] = None  # no layer has a window
     return text
 
 
@@ -175,15 +174,30 @@ def text_weights(weights: dict[str, Any]) -> dict[str, Any]:
             for old, new in _TEXT_PREFIXES.items() if k.startswith(old)}
 
 
-def _sliding_window(arch: str, cfg: dict[str, Any]) -> int | None:
-    """The attention window, where the config turns one on for any layer (capping the
-    context at it is exact whichever layers it is on)."""
+def _sliding_window(arch: str, cfg: dict[str, Any], max_pos: int
+                    ) -> tuple[int | None, tuple[int, ...]]:
+    """(the attention window, the layers it is on), as transformers decides them; (None, ())
+    where no layer has one, or where it is no shorter than the context: such a window never
+    binds, and leaving it out keeps the model plain Llama (the decode stack, tensor parallelism).
+
+    KV blocks are never freed as a window passes them: Gemma 3's global layers read the
+    whole context anyway. A model whose every layer is windowed (Mistral) could free the
+    blocks behind every row's window; that is not built."""
     window = cfg.get("sliding_window")
-    if window is None or arch == "llama":
-        return None
+    n = int(cfg["num_hidden_layers"])
+    if window is None or arch == "llama" or int(window) >= max_pos:
+        return None, ()
+    if arch == "mistral":  # one mask for every layer; a layer_types entry is ignored
+        return int(window), tuple(range(n))
     if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
-        return None  # Qwen configs carry a window that is off unless asked for
-    return int(window)
+        return None, ()  # Qwen configs carry a window that is off unless asked for
+    # Gemma 3's layer_types are always filled in (gemma3_text_config); Qwen's default: the
+    # layers from max_window_layers on (transformers' Qwen2Config/Qwen3Config).
+    kinds = cfg.get("layer_types") or [
+        "sliding_attention" if i >= int(cfg.get("max_window_layers", 28)) else "full_attention"
+        for i in range(n)]
+    layers = tuple(i for i, kind in enumerate(kinds) if kind == "sliding_attention")
+    return (int(window), layers) if layers else (None, ())
 
 
 def _rope_scaling(cfg: dict[str, Any], where: str) -> tuple[RopeScaling | None, float | None]:

@@ -81,29 +81,46 @@ def test_unknown_architecture_is_refused_naming_those_there_are() -> None:
         model_config({**SHAPE, "model_type": "gpt2"}, "x")
 
 
-def test_a_mistral_window_caps_the_context() -> None:
-    c = model_config({**SHAPE, "model_type": "mistral", "sliding_window": 128}, "x")
-    assert c.max_position_embeddings == 128
-    off = model_config({**SHAPE, "model_type": "qwen2", "sliding_window": 128,
-                        "use_sliding_window": False}, "x")
-    assert off.max_position_embeddings == 512
+def test_a_mistral_window_is_on_every_layer_and_caps_nothing() -> None:
+    c = model_config({**SHAPE, "model_type": "mistral", "sliding_window": 128,
+                      "layer_types": ["full_attention"] * 2}, "x")  # (ignored, as there)
+    assert (c.max_position_embeddings, c.sliding_window, c.window_layers) == (512, 128, (0, 1))
+    assert not c.plain_llama  # the decode stack takes no window
+    # a window as long as the context never binds: no window, plain Llama
+    long = model_config({**SHAPE, "model_type": "mistral", "sliding_window": 512}, "x")
+    assert (long.sliding_window, long.window_layers, long.plain_llama) == (None, (), True)
+
+
+def test_qwen_windows_as_transformers_places_them() -> None:
+    qwen2 = {**SHAPE, "model_type": "qwen2", "sliding_window": 128}
+    off = model_config({**qwen2, "use_sliding_window": False}, "x")
+    assert (off.max_position_embeddings, off.sliding_window, off.window_layers) == (512, None,
+                                                                                    ())
     assert off.qkv_bias
+    # the layers from max_window_layers on (transformers' default 28: none of these two)
+    on = {**qwen2, "use_sliding_window": True}
+    assert model_config({**on, "max_window_layers": 1}, "x").window_layers == (1,)
+    assert model_config(on, "x").sliding_window is None
+    # or the config's own layer_types
+    assert model_config({**on, "model_type": "qwen3", "layer_types": [
+        "sliding_attention", "full_attention"]}, "x").window_layers == (0,)
 
 
 GEMMA3 = {**SHAPE, "model_type": "gemma3_text", "query_pre_attn_scalar": 24,
           "layer_types": ["sliding_attention", "full_attention"]}
 
 
-def test_a_gemma3_window_caps_the_context() -> None:
+def test_a_gemma3_window_is_on_its_sliding_layers() -> None:
     c = model_config({**GEMMA3, "sliding_window": 128}, "x")
-    assert c.max_position_embeddings == 128
+    assert c.max_position_embeddings == 512
+    assert (c.sliding_window, c.window_layers) == (128, (0,))
     assert not c.plain_llama  # so no decode stack, and tensor parallelism refuses it
     assert c.local_layers == (0,)
     assert c.attention_scale == 24**-0.5
-    # no sliding layer: nothing to cap
+    # no sliding layer: no window
     none = model_config({**GEMMA3, "sliding_window": 128, "layer_types": ["full_attention"]},
                         "x")
-    assert none.max_position_embeddings == 512
+    assert (none.sliding_window, none.window_layers) == (None, ())
 
 
 def test_gemma3_configs_as_transformers_writes_them() -> None:
@@ -123,7 +140,8 @@ def test_gemma3_configs_as_transformers_writes_them() -> None:
     assert (mm.hidden_size, mm.head_dim, mm.vocab_size) == (2560, 256, 262208)
     assert mm.local_layers == (0, 1, 2, 3, 4, 6, 7, 8, 9, 10)
     assert mm.eos_token_ids == (1, 106)
-    assert mm.max_position_embeddings == 1024
+    assert mm.max_position_embeddings == 131072  # the window (1024) caps nothing
+    assert (mm.sliding_window, mm.window_layers) == (1024, mm.local_layers)
     with pytest.raises(ValueError, match=r"^x: gemma3 runs with gelu_pytorch_tanh, without "
                        r"softcapping or bidirectional attention; this config has "
                        r"final_logit_softcapping 30.0$"):

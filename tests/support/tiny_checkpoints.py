@@ -39,8 +39,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("Qwen3Config", {"tie_word_embeddings": True, "head_dim": 128}),
     # a sliding layer and a global one, each with its own RoPE base, the global one scaled
     # linearly (as Gemma 3 4B's and up are); the attention scale set apart from head_dim; a
-    # window as long as the context (the tests' max_model_len is 512), so that its cap of
-    # the context (model/architectures.py) does not bite
+    # window as long as the context, which never binds (tests/model/test_sliding_window.py
+    # runs windows shorter than the prompts)
     "gemma3": ("Gemma3TextConfig", {"query_pre_attn_scalar": 24, "sliding_window": 512,
                                     "layer_types": ["sliding_attention", "full_attention"],
                                     "rope_theta": 1_000_000.0, "rope_local_base_freq": 100.0,
@@ -53,14 +53,18 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a t
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
 
 
-def write_checkpoint(kind: str, folder: Path, tokenizer_folder: Path) -> Any:
-    """The checkpoint `kind` in `folder`, and its transformers model (float32, eval)."""
+def write_checkpoint(kind: str, folder: Path, tokenizer_folder: Path,
+                     overrides: dict[str, Any] | None = None, attn: str | None = None) -> Any:
+    """The checkpoint `kind` in `folder` (its config's fields `overrides` changed), and its
+    transformers model (float32, eval; `attn`: its attention implementation, if not the
+    default)."""
     import transformers
 
     cls_name, extra = CASES[kind]
-    config = getattr(transformers, cls_name)(**{**SHAPE, **extra})
+    config = getattr(transformers, cls_name)(**{**SHAPE, **extra, **(overrides or {})})
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32, **({} if attn is None else {"attn_implementation": attn}))
     g = torch.Generator().manual_seed(1)
     # Gemma multiplies its embeddings by sqrt(hidden): drawn that much narrower, its residual
     # stream starts as wide as the others' (wider, a tied head mostly repeats the last token)
