@@ -178,8 +178,9 @@ CASES: list[Any] = [
     ("nanoserve", _bench("--device", "foo"),
      B + "--device foo: not a device (cpu, cuda or cuda:N)"),
     ("nanoserve", ["bench", "--model", "/no/such/model"],
-     B + "--model /no/such/model: model '/no/such/model' is neither 'smollm2', a .gguf file, "
-     "nor a folder with config.json, *.safetensors and tokenizer.json"),
+     B + "--model /no/such/model: model '/no/such/model' is none of 'smollm2', "
+     "'gemma3-270m' (embedded), a .gguf file, or a folder with config.json, *.safetensors "
+     "and tokenizer.json"),
     ("nanoserve", _bench("-tp", "0"),
      B + "argument --tensor-parallel-size/-tp: must be an integer >= 1, got 0"),
     ("nanoserve", ["bench", "-tp", "2"],
@@ -195,8 +196,9 @@ CASES: list[Any] = [
     ("nanoserve", ["generate", "hi", "--model", "stub", "--device", "foo"],
      G + "--device foo: not a device (cpu, cuda or cuda:N)"),
     ("nanoserve", ["generate", "hi", "--model", "/no/such/model"],
-     G + "--model /no/such/model: model '/no/such/model' is neither 'smollm2', a .gguf file, "
-     "nor a folder with config.json, *.safetensors and tokenizer.json"),
+     G + "--model /no/such/model: model '/no/such/model' is none of 'smollm2', "
+     "'gemma3-270m' (embedded), a .gguf file, or a folder with config.json, *.safetensors "
+     "and tokenizer.json"),
     # sim
     ("sim", ["replay", "{tmp}/binary.jsonl"],
      "sim replay: {tmp}/binary.jsonl: line 1: not UTF-8 text (byte 0xff at column 1); a trace "

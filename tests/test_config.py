@@ -19,7 +19,7 @@ from nanoserve.config import ConfigError, EngineConfig, KVLayout
 from nanoserve.model import kv_geometry
 from nanoserve.model.loader import load_model_config, resolve_model
 
-POOL = ("the KV pool (num_blocks 256 x block_size 16 = 4096 tokens) cannot hold one sequence "
+POOL = ("the KV pool (num_blocks 128 x block_size 16 = 2048 tokens) cannot hold one sequence "
         "of max_model_len 8192 (the model's context): raise num_blocks or kv_cache_memory, or "
         "lower max_model_len")
 
@@ -30,8 +30,9 @@ def run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.parametrize(("argv", "line"), [
-    (["-m", "nanoserve.cli", "serve", "--model", "stub", "--num-blocks", "256", "--port", "0"],
-     "nanoserve serve: error: the KV pool (--num-blocks 256 x --block-size 16 = 4096 tokens) "
+    # (a pool of 4,096 tokens or more would serve what it holds: EngineConfig.layout)
+    (["-m", "nanoserve.cli", "serve", "--model", "stub", "--num-blocks", "128", "--port", "0"],
+     "nanoserve serve: error: the KV pool (--num-blocks 128 x --block-size 16 = 2048 tokens) "
      "cannot hold one sequence of --max-model-len 8192 (the model's context): raise "
      "--num-blocks or --kv-cache-memory, or lower --max-model-len"),
     # SmolLM2: judged from the GGUF's metadata, 30 layers x 3 KV heads x 64 x K,V x 4 bytes.
@@ -44,9 +45,9 @@ def run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
      "nanoserve serve: error: --max-model-len 9000 exceeds the model's context of 8192 "
      "tokens: lower --max-model-len"),
     (["-m", "nanoserve.cli", "serve", "--model", "/no/such.gguf", "--port", "0"],
-     "nanoserve serve: error: --model /no/such.gguf: model '/no/such.gguf' is neither "
-     "'smollm2', a .gguf file, nor a folder with config.json, *.safetensors and "
-     "tokenizer.json"),
+     "nanoserve serve: error: --model /no/such.gguf: model '/no/such.gguf' is none of "
+     "'smollm2', 'gemma3-270m' (embedded), a .gguf file, or a folder with config.json, "
+     "*.safetensors and tokenizer.json"),
     (["-m", "nanoserve.cli", "bench", "--model", "stub", "--max-num-seqs", "0"],
      "nanoserve bench: error: argument --max-num-seqs: must be an integer >= 1, got 0"),
     (["-m", "sim.cli", "capacity", "--load", "n=4,prompt=fixed:8,output=fixed:4",
@@ -66,13 +67,13 @@ def test_a_configuration_that_cannot_work_is_one_line_and_exit_2(
 
 def test_the_library_raises_the_same_text_with_python_names() -> None:
     with pytest.raises(ConfigError) as info:
-        LLM("stub", num_blocks=256)
+        LLM("stub", num_blocks=128)
     assert str(info.value) == POOL
 
 
 def test_layout_is_the_engines_own_check() -> None:
-    cfg = EngineConfig(num_blocks=256)
-    assert cfg.layout(4096, 0) == KVLayout(num_blocks=256, max_model_len=4096)
+    cfg = EngineConfig(num_blocks=128)
+    assert cfg.layout(2048, 0) == KVLayout(num_blocks=128, max_model_len=2048)
     with pytest.raises(ConfigError) as info:
         cfg.layout(8192, 0)
     assert str(info.value) == POOL
@@ -102,3 +103,17 @@ def test_a_bad_nanoserve_isa_is_one_line_and_exit_2(isa: str, line: str) -> None
     assert got.returncode == 2
     assert got.stderr == line + "\n"
     assert got.stdout == ""
+
+
+def test_an_unset_max_model_len_longer_than_the_pool_is_cut_to_it(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Gemma 3 270M: 32,768 tokens of context, 589,824 B of KV a 16-token block; the default
+    # 1 GiB pool holds 1,820 blocks
+    with caplog.at_level("WARNING", logger="nanoserve.config"):
+        assert EngineConfig().layout(32768, 589824) == KVLayout(1820, 29120)
+    assert ("the model's context of 32768 tokens is more than the KV pool holds; serving "
+            "29120") in caplog.text
+    with pytest.raises(ConfigError, match="cannot hold one sequence of max_model_len 32768:"):
+        EngineConfig(max_model_len=32768).layout(32768, 589824)  # asked for: refused
+    with pytest.raises(ConfigError, match=r"= 4080 tokens\) cannot hold"):  # under 4,096
+        EngineConfig(num_blocks=255).layout(32768, 589824)

@@ -98,8 +98,8 @@ def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> Path:
             raise FileNotFoundError(f"model folder {path} lacks {', '.join(missing)}")
         return path
     raise FileNotFoundError(
-        f"model {name_or_path!r} is neither {' nor '.join(map(repr, EMBEDDED))}, a .gguf "
-        "file, nor a folder with config.json, *.safetensors and tokenizer.json"
+        f"model {name_or_path!r} is none of {', '.join(map(repr, EMBEDDED))} (embedded), a "
+        ".gguf file, or a folder with config.json, *.safetensors and tokenizer.json"
     )
 
 

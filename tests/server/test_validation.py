@@ -11,12 +11,13 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from typing import Any
 
 import pytest
 from support.http_harness import serving
-from support.server_harness import GOOD, assert_error, assert_serving, make_app
+from support.server_harness import GOOD, assert_error, assert_serving, make_app, make_engine
 
 CHAT = {"model": "stub", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 MAX_SEED = 2**63 - 1
@@ -302,4 +303,17 @@ async def test_a_grammar_found_endless_while_generating_ends_cleanly() -> None:
         assert len(frames) > 2  # some text went out before the grammar gave up
         assert frames[-1]["error"]["param"] == "guided_grammar"
         assert frames[-1]["error"]["code"] == "invalid_value"
+        await assert_serving(h)
+
+
+async def test_chat_on_a_model_without_a_chat_template_is_a_400_naming_completions() -> None:
+    # A base model (the embedded gemma3-270m): vLLM answers 400 too
+    engine = make_engine()
+    tok = copy.copy(engine.tokenizer)
+    tok.chat_template = None
+    engine.tokenizer = tok
+    async with serving(make_app(engine)) as h:
+        err = assert_error(await h.post("/v1/chat/completions", CHAT), 400, "messages")
+        assert err["message"] == ("this model has no chat template (a base model): use "
+                                  "/v1/completions, or start the server with --chat-template")
         await assert_serving(h)
