@@ -167,6 +167,17 @@ DENSE_FROM_ROWS = 128
 # 128 rows and loses above; generic does not keep quantized weights under auto.
 _DENSE_FROM_ROWS = {"avx512": DENSE_FROM_ROWS, "avx2": DENSE_FROM_ROWS,
                     "generic": DENSE_FROM_ROWS}
+# The same threshold serves every format. Measured for Q5_0 to BF16 with
+# scripts/bench_kernels.py --format (Gemma 3 270M's four projection shapes, 18 layers' worth
+# so that the weights stream from memory; one thread; float32 `x @ w.t()` over the same
+# values in the same run), kernel / float32 speed on AVX-512 and AVX2: at one row Q5_0
+# 2.0 / 1.7x, Q5_1 2.2 / 2.0x, Q4_K 2.7 / 2.6x, Q5_K 2.0 / 1.7x, Q6_K 1.9 / 1.7x, F16
+# 2.9 / 3.0x, BF16 2.6 / 2.8x; 1.0-1.6x from 8 to 64 rows (BF16 on AVX2 0.98x at 64 rows,
+# F16 1.05x at 8: they save only half the bytes); at 128 rows 0.89-1.02x, where dequantize +
+# sgemm is 0.95-1.01x. With one layer's weights only (21 MB as float32, inside the 32 MB
+# L3) float32 wins at one row against Q5_0 to Q6_K (0.5-0.95x): once the bytes are cached
+# the dequantizing is the cost, the K-quants' most (two vectors of bits per Q5_K or Q6_K
+# vector).
 
 
 def dense_from_rows(isa: str) -> int:
