@@ -37,7 +37,7 @@ from nanoserve.model.base import ForwardBatch
 from nanoserve.model.native import Kernels
 
 # Head sizes the native kernel is compiled for (model/csrc/attention.cpp).
-NATIVE_HEAD_DIMS = (16, 32, 64, 128)
+NATIVE_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 # Stock path: decode rows gather their context in groups of about this many bytes of K (and
 # as many of V), each group's attention computed right after its gather, while the copy is

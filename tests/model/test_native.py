@@ -105,7 +105,8 @@ def _batch(ctx_lens: list[int], block_size: int, num_blocks: int, seed: int) -> 
     return b
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 2, 16), (9, 3, 64), (8, 8, 128)])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"),
+                         [(4, 2, 16), (9, 3, 64), (8, 8, 128), (4, 1, 256)])  # 256: Gemma's
 def test_decode_attention_matches_the_stock_path(heads: int, kv_heads: int, dim: int,
                                                  k: Kernels) -> None:
     torch.manual_seed(3)

@@ -140,7 +140,8 @@ void paged_decode_attention(
   const int64_t heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(1);
   TORCH_CHECK(k_cache.size(2) == dim && v_cache.sizes() == k_cache.sizes(), "cache shapes");
   TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(dim == 16 || dim == 32 || dim == 64 || dim == 128, "head_dim 16, 32, 64 or 128");
+  TORCH_CHECK(dim == 16 || dim == 32 || dim == 64 || dim == 128 || dim == 256,
+              "head_dim 16, 32, 64, 128 or 256");
   const int64_t group = heads / kv_heads;
   const int64_t num_rows = rows.size(0), width = block_tables.size(1);
   TORCH_CHECK(block_tables.size(0) == num_rows && context_lens.size(0) == num_rows,
@@ -171,7 +172,8 @@ void paged_decode_attention(
   const auto run = dim == 16   ? &attend<16>
                    : dim == 32 ? &attend<32>
                    : dim == 64 ? &attend<64>
-                               : &attend<128>;
+                   : dim == 128 ? &attend<128>
+                                : &attend<256>;  // Gemma's
   int64_t longest = 0;
   for (int64_t r = 0; r < num_rows; ++r)
     longest = std::max(longest, ctx_lens[r] - window_start(ctx_lens[r], window));
