@@ -25,7 +25,7 @@ from nanoserve.model.attention import (
 )
 from nanoserve.model.base import ForwardBatch, ModelConfig
 from nanoserve.model.linear import mkl_packing_available
-from nanoserve.model.loader import load_model_config
+from nanoserve.model.loader import ensure_float_weights, load_model_config
 from nanoserve.model.placement import (
     LayerWeights,
     Placement,
@@ -37,6 +37,7 @@ from nanoserve.model.step import StepPlan, plan_step, rope_tables
 
 
 def load_weights(folder: str | Path) -> dict[str, torch.Tensor]:
+    ensure_float_weights(Path(folder))
     weights: dict[str, torch.Tensor] = {}
     for path in sorted(Path(folder).glob("*.safetensors")):
         weights.update(load_file(str(path)))

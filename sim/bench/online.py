@@ -187,8 +187,9 @@ def peer_command(a: argparse.Namespace) -> list[str] | None:
         print(f"peer: {a.peer_python} cannot import fastapi, uvicorn and transformers:\n"
               f"{probe.stderr.decode()[-500:]}")
         return None
-    from nanoserve.model.loader import resolve_model
+    from nanoserve.model.loader import ensure_float_weights, resolve_model
 
+    ensure_float_weights(resolve_model("smollm2"))  # the peer reads the float32 folder
     return [a.peer_python, "-m", "transformers.cli.transformers", "serve",
             str(resolve_model("smollm2")), "--host", "127.0.0.1", "--port", str(a.peer_port),
             "--device", "cpu", "--dtype", "float32", *a.peer_args.split()]

@@ -78,7 +78,7 @@ def test_a_folder_missing_weights_is_refused(tmp_path: Path) -> None:
 
 
 def test_an_unknown_name_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="neither"):
+    with pytest.raises(FileNotFoundError, match="is none of"):
         resolve_model(str(tmp_path / "nope"), cache_dir=tmp_path)
 
 
@@ -88,7 +88,7 @@ def test_a_concurrent_conversion_that_wins_the_race_is_used(
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"not really a gguf")
     cache = tmp_path / "cache"
-    final = cache / f"{loader.file_sha256(gguf)[:16]}-v1"
+    final = cache / f"{loader.file_sha256(gguf)[:16]}-v{loader._FORMAT_VERSION}"
 
     def convert_while_another_process_finishes(src: Path, out: Path, *, sha256: str) -> None:
         final.mkdir(parents=True)
@@ -107,7 +107,7 @@ def test_a_dead_conversions_temp_dir_is_removed_and_a_live_ones_kept(
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"not really a gguf")
     cache = tmp_path / "cache"
-    prefix = f".tmp-{loader.file_sha256(gguf)[:16]}-v1-"
+    prefix = f".tmp-{loader.file_sha256(gguf)[:16]}-v{loader._FORMAT_VERSION}-"
     dead, live = cache / (prefix + "dead"), cache / (prefix + "live")
     dead.mkdir(parents=True)
     live.mkdir()
@@ -145,3 +145,25 @@ def test_second_resolve_reuses_the_cache_without_rewriting(smollm2_folder: Path)
     before = snapshot()
     assert resolve_model("smollm2") == smollm2_folder
     assert snapshot() == before  # same files, same mtimes, no temp dirs left behind
+
+
+def test_a_gguf_converts_without_its_float32_weights_until_they_are_needed(
+        tmp_path: Path, smollm2_folder: Path) -> None:
+    from support.tiny_checkpoints import write_checkpoint
+    from support.write_gguf import write_gguf
+
+    from nanoserve.model.llama import load_weights
+
+    hf = write_checkpoint("qwen2-tied", tmp_path, smollm2_folder)
+    tensors = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    gguf = write_gguf(tmp_path / "tiny.gguf", "qwen2", hf.config, tensors, "Q8_0")
+    folder = resolve_model(str(gguf), cache_dir=tmp_path / "cache")
+    assert not list(folder.glob("*.safetensors"))  # a server on the file's blocks never needs it
+    weights = load_weights(folder)  # --quantization none: written now, once
+    assert (folder / "model.safetensors").exists()
+    assert set(weights) == set(tensors)
+    assert not list(folder.glob(".model.safetensors.*"))  # no temp file left
+    (folder / "model.safetensors").unlink()
+    gguf.write_bytes(gguf.read_bytes()[:-1] + b"x")  # the file changed under the cache
+    with pytest.raises(FileNotFoundError, match="is gone or changed; remove the folder"):
+        load_weights(folder)

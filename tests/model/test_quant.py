@@ -70,10 +70,10 @@ def test_linear_is_a_matmul_over_the_same_values(fmt: str, rows: int, isa: str) 
 def test_the_gguf_blocks_are_the_converted_weights() -> None:
     """Kept as blocks (Q/K rows reordered as the converter reorders them), every tensor
     dequantizes to exactly the float32 the converter wrote."""
-    from safetensors.torch import load_file
+    from nanoserve.model.llama import load_weights
 
     blocks = read_gguf_weights(embedded_gguf_path(), keep=frozenset(BLOCK_BYTES))
-    dense = load_file(str(resolve_model("smollm2") / "model.safetensors"))
+    dense = load_weights(resolve_model("smollm2"))
     assert set(blocks) == set(dense)
     kinds = set()
     for name, w in blocks.items():
