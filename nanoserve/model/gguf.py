@@ -133,7 +133,7 @@ def read_gguf_weights(gguf: Path, *, keep: frozenset[str]) -> dict[str, Any]:
     import torch
     from gguf.quants import dequantize
 
-    from nanoserve.model.quant import QuantWeight
+    from nanoserve.model.quant import FORMATS, QuantWeight
 
     reader = open_gguf(gguf)
     arch = gguf_architecture(reader, gguf)
@@ -144,7 +144,10 @@ def read_gguf_weights(gguf: Path, *, keep: frozenset[str]) -> dict[str, Any]:
     copied: dict[str, int] = {}  # block formats with no kernel here: dequantized to float32
     for t in reader.tensors:
         fmt = t.tensor_type.name.lower()
-        kept = fmt in keep and len(t.shape) == 2  # (an F16 norm is a vector: float32)
+        # (an F16 norm is a vector, and an F16 row of a length no kernel block divides:
+        # float32)
+        kept = (fmt in keep and len(t.shape) == 2
+                and int(t.shape[0]) % FORMATS[fmt].weights == 0)
         if not kept and keep and fmt not in ("f32", "f16", "bf16"):
             copied[fmt] = copied.get(fmt, 0) + 1
         # Kept rows as their bytes [rows, row bytes] (F16 and BF16 rows too), copied out of
