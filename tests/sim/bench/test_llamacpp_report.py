@@ -28,7 +28,7 @@ def test_report_sets_int8_beside_the_exact_path_and_the_peer() -> None:
                     "nanoserve c16": [_online(130.0, 800.0)],
                     "nanoserve-int8 c16": [_online(160.0, 500.0)]}}
     lines = report(r).splitlines()
-    assert lines[0] == "--isa avx2: nanoserve's avx2 kernels"
+    assert lines[0] == "smollm2, --isa avx2: nanoserve's avx2 kernels"  # (the model the run names)
     assert "nanoserve 60.0, llama-bench tg64 50.0 (1.20x)" in lines[1]
     assert ("offline with --int8-activations: 135.0 output tok/s (1.35x "
             "llama-batched-bench's TG; 1.50x the exact path)") in lines
