@@ -46,13 +46,12 @@ def test_every_tensor_dequantizes_bit_exactly_as_gguf_py_does() -> None:
     for t in reader.tensors:
         fmt = t.tensor_type.name.lower()
         kinds[fmt] = kinds.get(fmt, 0) + 1
-        want = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
         if fmt == "f32":
             continue  # read as it is
-        rows = int(t.shape[-1])
-        got = QuantWeight(torch.from_numpy(np.array(t.data).view(np.uint8).reshape(rows, -1)),
-                          fmt, int(t.shape[0]))
-        assert torch.equal(got.dequantize(), want.reshape(rows, -1)), t.name
+        data = np.array(t.data)  # [rows, row bytes]
+        want = torch.from_numpy(np.array(dequantize(data, t.tensor_type), dtype=np.float32))
+        got = QuantWeight(torch.from_numpy(data.view(np.uint8)), fmt, int(t.shape[0]))
+        assert torch.equal(got.dequantize(), want), t.name
     assert kinds == {"f32": 109, "q5_0": 81, "q4_k": 27, "q8_0": 10, "q6_k": 9}
 
 

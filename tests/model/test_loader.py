@@ -148,7 +148,7 @@ def test_second_resolve_reuses_the_cache_without_rewriting(smollm2_folder: Path)
 
 
 def test_a_gguf_converts_without_its_float32_weights_until_they_are_needed(
-        tmp_path: Path, smollm2_folder: Path) -> None:
+        tmp_path: Path, smollm2_folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from support.tiny_checkpoints import write_checkpoint
     from support.write_gguf import write_gguf
 
@@ -157,6 +157,8 @@ def test_a_gguf_converts_without_its_float32_weights_until_they_are_needed(
     hf = write_checkpoint("qwen2-tied", tmp_path, smollm2_folder)
     tensors = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
     gguf = write_gguf(tmp_path / "tiny.gguf", "qwen2", hf.config, tensors, "Q8_0")
+    # (the tokenizer's conversion is tested elsewhere and takes most of a conversion's time)
+    monkeypatch.setattr(loader, "write_tokenizer", lambda *_, **__: None)
     folder = resolve_model(str(gguf), cache_dir=tmp_path / "cache")
     assert not list(folder.glob("*.safetensors"))  # a server on the file's blocks never needs it
     weights = load_weights(folder)  # --quantization none: written now, once
