@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     bins = build(a.isa)
     print(f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}, load average {os.getloadavg()}; "
           f"{gguf.name}; llama.cpp from {bins}; --isa {a.isa}", flush=True)
-    r: dict[str, Any] = {"isa": a.isa, "llama_bench": llama_bench(bins, gguf),
+    r: dict[str, Any] = {"model": a.model, "isa": a.isa, "llama_bench": llama_bench(bins, gguf),
                          "nanoserve_bench": nanoserve_bench(a.offline_n, a.isa, model=a.model)}
     if a.int8_activations:
         r["nanoserve_bench_int8"] = nanoserve_bench(a.offline_n, a.isa, int8=True,
@@ -195,7 +195,6 @@ def main(argv: list[str] | None = None) -> int:
             r["rss_mib"][q] = rss_mib(url)
         finally:
             stop(proc)
-    r["model"] = a.model
     atomic_write_text(out / f"llamacpp_side_by_side_{a.model}_{a.isa}.json",
                       json.dumps(r, indent=1) + "\n")
     print(report(r))
