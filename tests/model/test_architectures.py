@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.drain import drain
 from support.reference import MAX_NEW_TOKENS, RefCase
 from support.tiny_checkpoints import (
     CASES,
     PROMPTS,
     SHAPE,
     check_alone_and_batched,
+    prompt_logprobs,
     reference_cases,
     write_checkpoint,
 )
@@ -29,7 +29,6 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine.engine import Engine
 from nanoserve.model import load
 from nanoserve.model.architectures import model_config, text_weights
-from nanoserve.sampling.params import SamplingParams
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -61,10 +60,7 @@ def test_prompt_logprobs_match_transformers(
     model, tok = load(str(folder))
     engine = Engine(model, tok, EngineConfig(block_size=16, num_blocks=64, max_model_len=512))
     ids = list(cases[6].prompt_ids)  # the longest prompt
-    engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0),
-                       "p")
-    got = next(u.prompt_logprobs for r in drain(engine) for u in r.updates
-               if u.prompt_logprobs is not None)
+    got = prompt_logprobs(engine, ids)
     with torch.inference_mode():
         want = torch.log_softmax(hf(input_ids=torch.tensor([ids])).logits[0].float(), -1)
     assert got[0] is None

@@ -19,7 +19,7 @@ import pytest
 import torch
 from support.drain import drain, tokens
 from support.reference import load_reference
-from support.tiny_checkpoints import GREEDY, check_runs
+from support.tiny_checkpoints import GREEDY, check_runs, run_alone
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.engine import Engine
@@ -84,12 +84,8 @@ def test_greedy_equals_transformers_alone_and_batched(gemma: tuple[Any, Any]) ->
     assert len(cases) == 16
     assert sum(len(c.prompt_ids) > WINDOW for c in cases) == 4
     longest = max(len(c.prompt_ids) for c in cases) + len(cases[0].tokens)
-    alone = Engine(model, tok, EngineConfig(block_size=16, num_blocks=80, max_model_len=1280,
-                                            prefix_caching=False))
-    got: dict[str, list[int]] = {}
-    for case in cases:
-        alone.add_request(list(case.prompt_ids), GREEDY, case.name)
-        got |= tokens(drain(alone))
+    got = run_alone(model, tok, cases, EngineConfig(block_size=16, num_blocks=80,
+                                                    max_model_len=1280, prefix_caching=False))
     assert check_runs(cases, got) >= 0.75 * 16 * 32
     # Chunks of 256 tokens, a pool of 100 blocks for 16 sequences of up to 1,032 tokens
     # (preemption), and the long prompts sharing their first 600 tokens (prefix cache hits

@@ -20,14 +20,13 @@ import pytest
 import torch
 from support.drain import drain, tokens
 from support.reference import MAX_NEW_TOKENS, RefCase, compare_greedy, hf_greedy
-from support.tiny_checkpoints import GREEDY, write_checkpoint
+from support.tiny_checkpoints import GREEDY, prompt_logprobs, run_alone, write_checkpoint
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.engine import Engine
 from nanoserve.model import load, native
 from nanoserve.model.attention import attend, plan_attention, windowed
 from nanoserve.model.base import ForwardBatch
-from nanoserve.sampling.params import SamplingParams
 
 WINDOW = 12
 PROMPT_LENS = (20, 27, 33, 40)
@@ -83,13 +82,8 @@ def test_greedy_alone_and_batched_match_transformers(
         windowed_checkpoint: tuple[Path, Any, list[RefCase]]) -> None:
     folder, _, cases = windowed_checkpoint
     model, tok = load(str(folder))
-    alone = Engine(model, tok, EngineConfig(block_size=8, num_blocks=64, max_model_len=512,
-                                            prefix_caching=False))
-    got: dict[str, list[int]] = {}
-    for case in cases:
-        alone.add_request(list(case.prompt_ids), GREEDY, case.name)
-        got |= tokens(drain(alone))
-    compared = _check(cases, got)
+    compared = _check(cases, run_alone(model, tok, cases, EngineConfig(
+        block_size=8, num_blocks=64, max_model_len=512, prefix_caching=False)))
     assert compared >= 0.75 * len(cases) * MAX_NEW_TOKENS, compared
     for native_decode in (True, False):  # the native kernel, then stock SDPA groups
         model.native_attention = native_decode and model.kernels is not None
@@ -117,10 +111,7 @@ def test_prompt_logprobs_match_transformers_in_chunks(
     ids = list(cases[3].prompt_ids)  # 40 tokens, prefilled in chunks of 16, 16 and 8
     engine = Engine(model, tok, EngineConfig(block_size=4, num_blocks=64, max_model_len=128,
                                              max_num_batched_tokens=16, prefix_caching=False))
-    engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0),
-                       "p")
-    got = next(u.prompt_logprobs for r in drain(engine) for u in r.updates
-               if u.prompt_logprobs is not None)
+    got = prompt_logprobs(engine, ids)
     with torch.inference_mode():
         want = torch.log_softmax(hf(input_ids=torch.tensor([ids])).logits[0].float(), -1)
     diffs = [abs(e.logprob - float(want[i, ids[i + 1]])) for i, e in enumerate(got[1:])

@@ -106,6 +106,30 @@ def check_runs(cases: Sequence[RefCase], got: dict[str, list[int]]) -> int:
     return compared
 
 
+def run_alone(model: Any, tok: Tokenizer, cases: Sequence[RefCase], config: Any
+              ) -> dict[str, list[int]]:
+    """Each case's greedy tokens, run one at a time through one engine of `config`."""
+    from nanoserve.engine.engine import Engine
+    from support.drain import drain, tokens
+
+    engine = Engine(model, tok, config)
+    got: dict[str, list[int]] = {}
+    for case in cases:
+        engine.add_request(list(case.prompt_ids), GREEDY, case.name)
+        got |= tokens(drain(engine))
+    return got
+
+
+def prompt_logprobs(engine: Any, ids: list[int]) -> list[Any]:
+    """The engine's prompt logprobs of `ids` (one request, one output token)."""
+    from support.drain import drain
+
+    engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0),
+                       "p")
+    return next(u.prompt_logprobs for r in drain(engine) for u in r.updates
+                if u.prompt_logprobs is not None)
+
+
 def check_alone_and_batched(model: Any, tok: Tokenizer, cases: Sequence[RefCase]) -> int:
     """Run every case alone, then all in one batch with chunked prefill (24 tokens a step)
     and preemption (24 blocks of 8 slots for sequences of ~50 tokens each), each checked
@@ -114,13 +138,8 @@ def check_alone_and_batched(model: Any, tok: Tokenizer, cases: Sequence[RefCase]
     from nanoserve.engine.engine import Engine
     from support.drain import drain, tokens
 
-    alone = Engine(model, tok, EngineConfig(block_size=16, num_blocks=64, max_model_len=512,
-                                            prefix_caching=False))
-    got: dict[str, list[int]] = {}
-    for case in cases:
-        alone.add_request(list(case.prompt_ids), GREEDY, case.name)
-        got |= tokens(drain(alone))
-    compared = check_runs(cases, got)
+    compared = check_runs(cases, run_alone(model, tok, cases, EngineConfig(
+        block_size=16, num_blocks=64, max_model_len=512, prefix_caching=False)))
     batched = Engine(model, tok, EngineConfig(block_size=8, num_blocks=24, max_model_len=128,
                                               max_num_batched_tokens=24))
     for case in cases:
