@@ -102,17 +102,7 @@ def bench_format(fmt: str, a: argparse.Namespace) -> None:
         for m in (int(r) for r in a.rows.split(",")):
             xs = [torch.randn(m, w.cols) for w in qw]
 
-            def kernel(projs: list[QuantProj] = projs, xs: list[torch.Tensor] = xs) -> None:
-                for pr, x in zip(projs, xs, strict=True):
-                    out = torch.empty(x.shape[0], pr.weight.rows)
-                    pr.ops.quant_linear(x, pr.weight.blocks, pr.weight.format, out)
-
-            def dequant(projs: list[QuantProj] = projs, xs: list[torch.Tensor] = xs) -> None:
-                for pr, x in zip(projs, xs, strict=True):
-                    w = pr.weight
-                    d = pr.scratch.matrix(w.rows, w.cols)
-                    pr.ops.dequantize(w.blocks, w.format, d)
-                    _ = x @ d.t()
+            kernel, dequant = _quant_paths(projs, xs)
 
             def f32(xs: list[torch.Tensor] = xs) -> None:
                 for w, x in zip(dense, xs, strict=True):
@@ -158,17 +148,7 @@ def main() -> None:
         for m in (int(r) for r in a.rows.split(",")):
             xs = [torch.randn(m, w.cols) for w in qw]
 
-            def kernel(projs: list[QuantProj] = projs, xs: list[torch.Tensor] = xs) -> None:
-                for pr, x in zip(projs, xs, strict=True):
-                    out = torch.empty(x.shape[0], pr.weight.rows)
-                    pr.ops.quant_linear(x, pr.weight.blocks, pr.weight.format, out)
-
-            def dequant(projs: list[QuantProj] = projs, xs: list[torch.Tensor] = xs) -> None:
-                for pr, x in zip(projs, xs, strict=True):
-                    w = pr.weight
-                    d = pr.scratch.matrix(w.rows, w.cols)
-                    pr.ops.dequantize(w.blocks, w.format, d)
-                    _ = x @ d.t()
+            kernel, dequant = _quant_paths(projs, xs)
 
             def f32(xs: list[torch.Tensor] = xs) -> None:
                 for pr, x in zip(dense, xs, strict=True):
@@ -177,6 +157,25 @@ def main() -> None:
             t_k, t_d, t_f = (best_ms(f, a.repeat) for f in (kernel, dequant, f32))
             auto = t_d if m >= dense_from_rows(isa) else t_k
             print(f"{m:>5} {t_k:>9.2f} {t_d:>9.2f} {t_f:>9.2f}  {t_f / auto:>6.2f}x")
+
+
+def _quant_paths(projs: list[QuantProj], xs: list[torch.Tensor]
+                 ) -> tuple[Callable[[], None], Callable[[], None]]:
+    """Every projection once through the kernel, and once dequantized + sgemm."""
+
+    def kernel() -> None:
+        for pr, x in zip(projs, xs, strict=True):
+            out = torch.empty(x.shape[0], pr.weight.rows)
+            pr.ops.quant_linear(x, pr.weight.blocks, pr.weight.format, out)
+
+    def dequant() -> None:
+        for pr, x in zip(projs, xs, strict=True):
+            w = pr.weight
+            d = pr.scratch.matrix(w.rows, w.cols)
+            pr.ops.dequantize(w.blocks, w.format, d)
+            _ = x @ d.t()
+
+    return kernel, dequant
 
 
 if __name__ == "__main__":
