@@ -13,6 +13,7 @@ and metadata is model/gguf.py's.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -57,9 +58,11 @@ def embedded_gguf_path() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_GGUF
 
 
+@functools.cache
 def gemma_gguf_path(cache_dir: Path | None = None) -> Path:
     """Gemma 3 270M's GGUF, joined from its chunk packages into the cache on first use (the
-    package checks the SHA-256 of the joined file, and of an existing one each time)."""
+    package checks the SHA-256 of the joined file, and of an existing one each time: 253 MB
+    read, so once a process, not at each of a load's three look-ups)."""
     import importlib
 
     try:

@@ -218,7 +218,7 @@ class QuantProj:
     there. Either way the weights are the same values; only the order of additions differs.
     `int8` (model/int8.py, opt-in) takes over from INT8_FROM_ROWS rows."""
 
-    __slots__ = ("weight", "scratch", "ops", "dense_from", "kernels", "int8")
+    __slots__ = ("weight", "scratch", "ops", "dense_from", "kernels", "int8", "pieces")
 
     def __init__(self, weight: QuantWeight, scratch: Scratch | None = None,
                  kernels: Kernels | None = None) -> None:
@@ -229,6 +229,7 @@ class QuantProj:
         self.dense_from = dense_from_rows(k.isa)
         self.kernels = k
         self.int8: Int8Weight | None = None
+        self.pieces = weight.pieces()  # once, not on every call of a decode step
 
     def dense_weight(self) -> torch.Tensor:
         return self.weight.dequantize(self.kernels)
@@ -246,6 +247,6 @@ class QuantProj:
         out = torch.empty(x.shape[0], w.rows, dtype=torch.float32, device=x.device)
         # A mixed weight: each part's kernel writes its own columns of the one output (the
         # kernel takes the output's row stride), the same values as that part alone.
-        for r, p in w.pieces():
+        for r, p in self.pieces:
             self.ops.quant_linear(x, p.blocks, p.format, out[:, r: r + p.rows])
         return out
