@@ -1,0 +1,96 @@
+"""Hermes tool calls (Qwen2.5, Qwen3, Hermes 2/3; ChatML templates):
+
+    I'll look that up.
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+    <tool_call>
+    ...
+
+Text outside the blocks is content, less the whitespace that touches a block. A block whose
+JSON is not a call is content, verbatim, from its `<tool_call>` on; the last block may lack
+its `</tool_call>` (the output ended), and is a call if its JSON is whole.
+"""
+
+from __future__ import annotations
+
+from nanoserve.server.tools.base import (
+    Event,
+    IdSource,
+    ToolParser,
+    call_from_object,
+    content,
+    load_json,
+    safe_prefix,
+)
+
+OPEN = "<tool_call>"
+CLOSE = "</tool_call>"
+
+
+class HermesToolParser(ToolParser):
+    def __init__(self, new_id: IdSource | None = None) -> None:
+        super().__init__(new_id)
+        self._buf = ""  # text not yet decided: held-back content, or a block's body so far
+        self._in_call = False
+        self._gap = ""  # the whitespace dropped before the open block, if it is rejected
+        self._after_call = False  # drop the whitespace that follows a call
+
+    def feed(self, text: str) -> list[Event]:
+        self._buf += text
+        out: list[Event] = []
+        while self._step(out):
+            pass
+        return out
+
+    def finish(self) -> list[Event]:
+        out: list[Event] = []
+        while self._in_call:
+            body, self._buf = self._buf, ""
+            self._close(body, closed=False, out=out)
+            while self._step(out):
+                pass
+        out += content(self._buf)
+        self._buf = ""
+        return out
+
+    def _step(self, out: list[Event]) -> bool:
+        """Decide what the buffer allows; True if a marker moved the state on."""
+        if self._in_call:
+            end = self._buf.find(CLOSE)
+            if end < 0:
+                return False
+            body, self._buf = self._buf[:end], self._buf[end + len(CLOSE) :]
+            self._close(body, closed=True, out=out)
+            return True
+        if self._after_call:
+            self._buf = self._buf.lstrip()
+            if not self._buf:
+                return False
+            self._after_call = False
+        start = self._buf.find(OPEN)
+        if start < 0:
+            keep = safe_prefix(self._buf, OPEN)
+            out += content(self._buf[:keep])
+            self._buf = self._buf[keep:]
+            return False
+        before = self._buf[:start].rstrip()
+        out += content(before)
+        self._gap = self._buf[len(before) : start]
+        self._buf = self._buf[start + len(OPEN) :]
+        self._in_call = True
+        return True
+
+    def _close(self, body: str, closed: bool, out: list[Event]) -> None:
+        """A block's body is complete: a call if it reads as one, else content again."""
+        self._in_call = False
+        call = call_from_object(load_json(body))
+        if call is not None:
+            out += self._call(*call)
+            self._after_call = True
+        else:
+            # Rejected: the text from the gap on is plain text again, re-read as such (a
+            # later `<tool_call>` inside it still opens a block).
+            out += content(self._gap + OPEN)
+            self._buf = body + (CLOSE if closed else "") + self._buf
+        self._gap = ""

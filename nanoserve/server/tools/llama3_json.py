@@ -1,0 +1,93 @@
+"""Llama 3.1/3.2 JSON tool calls: the whole output is the call(s), nothing before them.
+
+    <|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": ...}
+
+The `<|python_tag|>` is optional, `"arguments"` is accepted for `"parameters"`, and calls are
+separated by `;` (a bare newline is accepted too). An output that does not open with a
+`{` (after the tag) is content throughout. A call is emitted as soon as its object closes;
+text after the last call that is not another call is content, verbatim, as is an object
+that is not a call (and everything after it). A trailing `;` or whitespace is dropped.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from nanoserve.server.tools.base import (
+    Event,
+    IdSource,
+    Nesting,
+    ToolParser,
+    call_from_object,
+    content,
+    find_opening,
+    load_json,
+)
+
+PYTHON_TAG = "<|python_tag|>"
+
+
+class _State(Enum):
+    BEGIN = "begin"  # before the first object: whitespace, maybe the tag
+    OBJECT = "object"  # inside an object, waiting for its closing brace
+    BETWEEN = "between"  # after a call: whitespace, maybe `;`, then another object or not
+    TEXT = "text"  # not (or no longer) calls: everything is content
+
+
+class Llama3JsonToolParser(ToolParser):
+    def __init__(self, new_id: IdSource | None = None) -> None:
+        super().__init__(new_id)
+        self._buf = ""  # everything since the last call, not yet decided
+        self._state = _State.BEGIN
+        self._start = 0  # where the open object starts in the buffer
+        self._scanned = 0  # how much of the buffer the nesting has seen
+        self._nesting = Nesting()
+
+    def feed(self, text: str) -> list[Event]:
+        self._buf += text
+        out: list[Event] = []
+        while self._step(out):
+            pass
+        return out
+
+    def finish(self) -> list[Event]:
+        out: list[Event] = []
+        blank = self._state is _State.BETWEEN and self._buf.strip() in ("", ";")
+        if not blank:
+            out += content(self._buf)
+        self._buf = ""
+        self._state = _State.TEXT
+        return out
+
+    def _step(self, out: list[Event]) -> bool:
+        if self._state is _State.TEXT:
+            out += content(self._buf)
+            self._buf = ""
+            return False
+        if self._state is _State.OBJECT:
+            return self._close(out)
+        tag = PYTHON_TAG if self._state is _State.BEGIN else ";"
+        start = find_opening(self._buf, tag, "{")
+        if start is None:
+            return False
+        if start < 0:
+            self._state = _State.TEXT
+            return True
+        self._state, self._start, self._scanned = _State.OBJECT, start, start
+        self._nesting = Nesting()
+        return True
+
+    def _close(self, out: list[Event]) -> bool:
+        end = self._nesting.end(self._buf[self._scanned :])
+        if end is None:
+            self._scanned = len(self._buf)
+            return False
+        end += self._scanned
+        call = call_from_object(load_json(self._buf[self._start : end]))
+        if call is None:
+            self._state = _State.TEXT
+            return True
+        out += self._call(*call)
+        self._buf = self._buf[end:]
+        self._state = _State.BETWEEN
+        return True

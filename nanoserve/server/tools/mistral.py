@@ -1,0 +1,149 @@
+"""Mistral tool calls: `[TOOL_CALLS]` and a JSON array of calls, or (newer templates, v11
+on) `[TOOL_CALLS]` and a name, `[ARGS]` and the arguments object, once per call:
+
+    [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {...}]
+    [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]f[ARGS]{}
+
+Text before, between and after is content, less the whitespace that touches a call. What
+follows a `[TOOL_CALLS]` and is not one of the two forms (an array that is not a list of
+calls, a name that is not a word, arguments that are not an object) makes that marker
+content, verbatim, and the text after it is read again as text.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+
+from nanoserve.server.tools.base import (
+    Event,
+    IdSource,
+    Nesting,
+    ToolParser,
+    call_from_object,
+    content,
+    find_opening,
+    load_json,
+    safe_prefix,
+)
+
+MARKER = "[TOOL_CALLS]"
+ARGS = "[ARGS]"
+_NAME = re.compile(r"\s*([\w.\-]*)")
+
+
+class _State(Enum):
+    TEXT = "text"
+    MARKED = "marked"  # after the marker: an array or a name?
+    ARRAY = "array"  # inside the array, waiting for its closing bracket
+    ARGUMENTS = "arguments"  # after `name[ARGS]`: inside the object
+
+
+class MistralToolParser(ToolParser):
+    def __init__(self, new_id: IdSource | None = None) -> None:
+        super().__init__(new_id)
+        self._buf = ""  # held-back content, or the text after the marker so far
+        self._state = _State.TEXT
+        self._gap = ""  # whitespace dropped before the marker, given back if rejected
+        self._after_call = False  # drop the whitespace that follows a call
+        self._name = ""
+        self._start = 0  # where the array or object starts in the buffer
+        self._scanned = 0  # how much of the buffer the nesting has seen
+        self._nesting = Nesting()
+
+    def feed(self, text: str) -> list[Event]:
+        self._buf += text
+        out: list[Event] = []
+        while self._step(out):
+            pass
+        return out
+
+    def finish(self) -> list[Event]:
+        out: list[Event] = []
+        while self._state is not _State.TEXT:
+            self._reject(out)
+            while self._step(out):
+                pass
+        if self._after_call:
+            self._buf = self._buf.lstrip()
+        out += content(self._buf)
+        self._buf = ""
+        return out
+
+    def _step(self, out: list[Event]) -> bool:
+        if self._state is _State.TEXT:
+            return self._text(out)
+        if self._state is _State.MARKED:
+            return self._marked(out)
+        return self._close(out)
+
+    def _text(self, out: list[Event]) -> bool:
+        if self._after_call:
+            self._buf = self._buf.lstrip()
+            if not self._buf:
+                return False
+            self._after_call = False
+        start = self._buf.find(MARKER)
+        if start < 0:
+            keep = safe_prefix(self._buf, MARKER)
+            out += content(self._buf[:keep])
+            self._buf = self._buf[keep:]
+            return False
+        before = self._buf[:start].rstrip()
+        out += content(before)
+        self._gap = self._buf[len(before) : start]
+        self._buf = self._buf[start + len(MARKER) :]
+        self._state = _State.MARKED
+        return True
+
+    def _marked(self, out: list[Event]) -> bool:
+        start = find_opening(self._buf, "", "[")
+        if start is None:
+            return False
+        if start >= 0:
+            self._open(_State.ARRAY, start)
+            return True
+        match = _NAME.match(self._buf)
+        assert match is not None  # the pattern matches the empty string
+        rest = self._buf[match.end() :]
+        if rest.startswith(ARGS) and match.group(1):
+            self._name = match.group(1)
+            start = find_opening(rest[len(ARGS) :], "", "{")
+            if start is None:
+                return False  # `[ARGS]` is here, its object not yet
+            if start >= 0:
+                self._open(_State.ARGUMENTS, len(self._buf) - len(rest) + len(ARGS) + start)
+                return True
+        elif ARGS.startswith(rest):
+            return False  # the name, or `[ARGS]`, is still arriving
+        self._reject(out)
+        return True
+
+    def _open(self, state: _State, start: int) -> None:
+        self._state, self._start, self._scanned = state, start, start
+        self._nesting = Nesting()
+
+    def _close(self, out: list[Event]) -> bool:
+        end = self._nesting.end(self._buf[self._scanned :])
+        if end is None:
+            self._scanned = len(self._buf)
+            return False
+        end += self._scanned
+        value = load_json(self._buf[self._start : end])
+        if self._state is _State.ARGUMENTS:
+            value = [{"name": self._name, "arguments": value}]
+        calls = [call_from_object(v) for v in value] if isinstance(value, list) else []
+        if not calls or None in calls:
+            self._reject(out)
+            return True
+        for call in calls:
+            assert call is not None
+            out += self._call(*call)
+        self._buf = self._buf[end:]
+        self._state, self._after_call, self._gap = _State.TEXT, True, ""
+        return True
+
+    def _reject(self, out: list[Event]) -> None:
+        """The marker opens no call: it is content, and what follows it is text again."""
+        out += content(self._gap + MARKER)
+        self._state, self._gap = _State.TEXT, ""
