@@ -68,7 +68,7 @@ class ReasoningParser:
     def finish(self) -> list[ReasoningEvent]:
         if self._state is _State.BEGIN:
             # Only whitespace or part of `<think>` came: no reasoning was opened.
-            self._state, self._strip = _State.ANSWER, self.requires_open
+            self._state, self._strip = _State.ANSWER, False
             if not self.requires_open:
                 return _part(Reasoning, self._buf.lstrip())
         text, self._buf = self._buf, ""
