@@ -251,3 +251,25 @@ def test_ids_are_openai_shaped_and_repeatable_when_seeded() -> None:
     assert all(re.fullmatch(r"call_[A-Za-z0-9]{24}", i) for i in ids)
     _, calls = parse_all(TOOL_PARSERS["hermes"], f"<tool_call>{W}</tool_call>")
     assert re.fullmatch(r"call_[A-Za-z0-9]{24}", calls[0].id)
+
+
+# Pieces of every format's markup, whole and cut, for random outputs that a model could
+# plausibly never write: the property holds for any text, not only the scripted cases.
+FRAGMENTS = [
+    "<tool_call>", "</tool_call>", "<tool_", "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>",
+    "<|python_start|>", "<|python_end|>", W, F, "[", "]", "{", "}", ";", " ", "\n", "x",
+    "f(a=1)", "'", '"', "\\", ",", "g(b='x')",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
+def test_random_outputs_stream_as_unary(name: str) -> None:
+    cls = TOOL_PARSERS[name]
+    rng = random.Random(name)
+    for _ in range(150):
+        output = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(1, 10)))
+        expected = parse_all(cls, output, sequential_ids())
+        cuts = sorted(rng.sample(range(len(output) + 1), min(len(output) + 1, rng.randint(1, 6))))
+        pieces = [output[a:b] for a, b in zip([0, *cuts], [*cuts, len(output)], strict=True)]
+        for chunking in (pieces, list(output)):
+            assert collect(_stream(cls(sequential_ids()), chunking)) == expected, chunking
