@@ -258,18 +258,24 @@ def test_ids_are_openai_shaped_and_repeatable_when_seeded() -> None:
 FRAGMENTS = [
     "<tool_call>", "</tool_call>", "<tool_", "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>",
     "<|python_start|>", "<|python_end|>", W, F, "[", "]", "{", "}", ";", " ", "\n", "x",
-    "f(a=1)", "'", '"', "\\", ",", "g(b='x')",
+    "f(a=1)", "'", '"', "\\", ",", "g(b='x')", f"<tool_call>{W}</tool_call>",
+    f"[TOOL_CALLS][{W}]", "[TOOL_CALLS]f[ARGS]{}", f"; {F}",
 ]  # fmt: skip
+OPENINGS = ["", W, "<|python_tag|>", "[f(a=1), g(b='x')]", "<|python_start|>"]
 
 
 @pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
 def test_random_outputs_stream_as_unary(name: str) -> None:
     cls = TOOL_PARSERS[name]
     rng = random.Random(name)
+    with_calls = 0
     for _ in range(150):
-        output = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(1, 10)))
+        fragments = [rng.choice(FRAGMENTS) for _ in range(rng.randint(1, 10))]
+        output = rng.choice(OPENINGS) + "".join(fragments)
         expected = parse_all(cls, output, sequential_ids())
+        with_calls += bool(expected[1])
         cuts = sorted(rng.sample(range(len(output) + 1), min(len(output) + 1, rng.randint(1, 6))))
         pieces = [output[a:b] for a, b in zip([0, *cuts], [*cuts, len(output)], strict=True)]
         for chunking in (pieces, list(output)):
             assert collect(_stream(cls(sequential_ids()), chunking)) == expected, chunking
+    assert with_calls >= 20  # the property is tested on calls, not only on plain text
