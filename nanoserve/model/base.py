@@ -74,7 +74,7 @@ class ModelConfig:
 
     @property
     def plain_llama(self) -> bool:
-        """No departure that the fused decode stack and the tensor-parallel shards lack."""
+        """No departure that the tensor-parallel shards lack."""
         return not (self.qkv_bias or self.qk_norm or self.norm_plus_one or self.sandwich_norms
                     or self.gelu_mlp or self.embed_scale or self.local_layers
                     or self.window_layers or self.query_pre_attn_scalar is not None)

@@ -96,9 +96,8 @@ class LlamaModel:
         self.embed, self.embed_q, self.norm = placed.embed, placed.embed_q, placed.norm
         self.lm_head, self.layers = placed.lm_head, placed.layers
         self.embed_scale = placed.embed_scale
-        self.stack_format, self._stack_weights = decode_stack_weights(
-            self.layers, self.native_attention and self.reduce is None
-            and self.config.plain_llama)
+        self.stack = decode_stack_weights(self.layers,
+                                          self.native_attention and self.reduce is None)
 
     @classmethod
     def from_folder(
@@ -177,7 +176,7 @@ class LlamaModel:
             eps, gelu = self.config.rms_norm_eps, self.config.gelu_mlp
             x = self._embed(plan.input_ids)  # [T, hidden], the residual stream
             ap = plan.attention
-            if (self.stack_format is not None and ap.native is not None and not ap.groups
+            if (self.stack is not None and ap.native is not None and not ap.groups
                     and not ap.prefills):
                 m = self._decode_stack(x, plan)
             else:
@@ -201,13 +200,18 @@ class LlamaModel:
     def _decode_stack(self, x: torch.Tensor, plan: StepPlan) -> torch.Tensor:
         """Every layer of a decode-only step in one native call; returns the last MLP
         output (x, the residual, is updated in place as the layer loop updates it)."""
-        c, n = self.config, plan.attention.native
+        c, n, s = self.config, plan.attention.native, self.stack
         assert n is not None
+        assert s is not None
         assert self.kernels is not None
+        windowed = plan.windowed_attention
+        window = windowed.native.window if windowed is not None and windowed.native else 0
+        windows = [window if i in plan.window_layers else 0 for i in range(c.num_layers)]
         m: torch.Tensor = self.kernels.ops.decode_stack(
-            x, *self._stack_weights, self._cache(), plan.cos, plan.sin, plan.positions,
-            plan.slot_mapping, n.rows, n.block_tables, n.context_lens, self.block_size,
-            c.num_heads, c.num_kv_heads, c.head_dim, c.attention_scale, c.rms_norm_eps)
+            x, *s.args(), self._cache(), plan.cos, plan.sin, plan.local_cos, plan.local_sin,
+            s.local_rope, windows, plan.positions, plan.slot_mapping, n.rows, n.block_tables,
+            n.context_lens, self.block_size, c.num_heads, c.num_kv_heads, c.head_dim,
+            c.attention_scale, c.rms_norm_eps, c.gelu_mlp)
         return m
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -232,7 +236,8 @@ class LlamaModel:
         if layer.qkv_bias is not None:
             qkv += layer.qkv_bias
         if layer.q_norm is not None and layer.k_norm is not None:
-            ops.norm_qk_heads(qkv, shape, layer.q_norm, layer.k_norm, c.rms_norm_eps)
+            ops.norm_qk_heads(qkv, shape, layer.q_norm, layer.k_norm, c.rms_norm_eps,
+                              native=self.kernels if self.native_layers else None)
         cos, sin = plan.rope(layer.local_rope)
         q, k, v = ops.rope_store(qkv, shape, cos, sin, plan.positions,
                                  plan.slot_mapping, kv[0], kv[1],

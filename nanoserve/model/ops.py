@@ -28,10 +28,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, native: Kerne
 
 
 def norm_qk_heads(qkv: torch.Tensor, shape: tuple[int, int, int], q_norm: torch.Tensor,
-                  k_norm: torch.Tensor, eps: float) -> None:
-    """Qwen3: every q and k head of `qkv` [T, (H + 2 KV) * D] RMS-normed over its D values,
-    in place, before RoPE (v is left as it is)."""
+                  k_norm: torch.Tensor, eps: float, *, native: Kernels | None) -> None:
+    """Qwen3 and Gemma 3: every q and k head of `qkv` [T, (H + 2 KV) * D] RMS-normed over
+    its D values, in place, before RoPE (v is left as it is)."""
     nh, nkv, d = shape
+    if native is not None:
+        native.ops.norm_qk_heads(qkv, q_norm, k_norm, nh, nkv, eps)
+        return
     t = qkv.shape[0]
     for start, heads, weight in ((0, nh, q_norm), (nh * d, nkv, k_norm)):
         part = qkv[:, start:start + heads * d]
@@ -95,10 +98,13 @@ def rope_store(
 
 
 def gate_mul(gate_up: torch.Tensor, *, gelu: bool, native: Kernels | None) -> torch.Tensor:
-    """act(gate) * up: silu (silu_mul), or for Gemma gelu's tanh approximation (stock ops
-    only: the native kernel is silu's)."""
+    """act(gate) * up: silu (silu_mul), or for Gemma gelu's tanh approximation."""
     if not gelu:
         return silu_mul(gate_up, native=native)
+    if native is not None:
+        out = gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+        native.ops.gelu_tanh_mul(gate_up, out)
+        return out
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
 

@@ -18,7 +18,7 @@ import torch
 from nanoserve.model.base import ModelConfig
 from nanoserve.model.linear import Proj
 from nanoserve.model.native import Kernels
-from nanoserve.model.quant import MIXED, QuantProj, QuantWeight, Scratch
+from nanoserve.model.quant import QuantProj, QuantWeight, Scratch
 
 
 @dataclass(slots=True)
@@ -129,24 +129,54 @@ def _fused(parts: list[torch.Tensor | QuantWeight], scratch: Scratch, where: Pla
                 pack=where.pack_weights)
 
 
-def decode_stack_weights(layers: list[LayerWeights], usable: bool
-                         ) -> tuple[str | None, tuple[object, ...]]:
-    """(format, weights) of the decode stack: a decode-only step runs every layer in one
-    native call (csrc/stack.cpp) when every projection is quantized in one format and the
-    model can run it at all (`usable`): the same kernels in the same order, without 300
-    calls from Python. The weights are its per-layer lists, gathered once: the same lists
-    every decode step. (None, ()) where the stack does not run, as where a fused projection
-    mixes formats (the stack takes one format for all)."""
-    formats = {p.weight.format if isinstance(p, QuantProj) else None
-               for ly in layers for p in (ly.qkv, ly.o, ly.gate_up, ly.down)}
-    fmt = (next(iter(formats)) if len(formats) == 1 and not formats & {None, MIXED} and usable
-           else None)
-    if fmt is None:
-        return None, ()
+@dataclass(frozen=True, slots=True)
+class DecodeStack:
+    """The decode stack's weights (csrc/stack.cpp), gathered once: the same lists every
+    decode step. Every projection is its pieces (one per block format, each writing its own
+    columns), flat over the layers in the order qkv, o, gate_up, down, `counts` pieces each;
+    the optional per-layer parts are empty lists where no layer has them."""
 
-    def blocks(get: Callable[[LayerWeights], Proj | QuantProj]) -> list[torch.Tensor]:
-        return [cast(QuantProj, get(ly)).weight.blocks for ly in layers]
+    attn_norm: list[torch.Tensor]
+    mlp_norm: list[torch.Tensor]
+    post_attn_norm: list[torch.Tensor | None]
+    post_mlp_norm: list[torch.Tensor | None]
+    qkv_bias: list[torch.Tensor | None]
+    q_norm: list[torch.Tensor | None]
+    k_norm: list[torch.Tensor | None]
+    blocks: list[torch.Tensor]
+    formats: list[str]
+    counts: list[int]
+    local_rope: list[int]  # 1 where the layer rotates by the local RoPE table
 
-    return fmt, ([ly.attn_norm for ly in layers], blocks(lambda ly: ly.qkv),
-                 blocks(lambda ly: ly.o), [ly.mlp_norm for ly in layers],
-                 blocks(lambda ly: ly.gate_up), blocks(lambda ly: ly.down), fmt)
+    def args(self) -> tuple[object, ...]:
+        """The op's weight arguments, in its order (after x)."""
+        return (self.attn_norm, self.mlp_norm, self.post_attn_norm, self.post_mlp_norm,
+                self.qkv_bias, self.q_norm, self.k_norm, self.blocks, self.formats,
+                self.counts)
+
+
+def decode_stack_weights(layers: list[LayerWeights], usable: bool) -> DecodeStack | None:
+    """The decode stack's weights: a decode-only step runs every layer in one native call
+    (csrc/stack.cpp) when every projection is quantized (in any of the kernels' formats,
+    mixed too) and the model can run it at all (`usable`): the same kernels in the same
+    order as the per-layer path, without a few hundred calls from Python. None where the
+    stack does not run, as where a projection is float32."""
+    projs = [p for ly in layers for p in (ly.qkv, ly.o, ly.gate_up, ly.down)]
+    if not usable or not all(isinstance(p, QuantProj) for p in projs):
+        return None
+    pieces = [w for p in projs for _, w in cast(QuantProj, p).weight.pieces()]
+
+    def optional(get: Callable[[LayerWeights], torch.Tensor | None]
+                 ) -> list[torch.Tensor | None]:
+        values = [get(ly) for ly in layers]
+        return values if any(v is not None for v in values) else []
+
+    return DecodeStack(
+        attn_norm=[ly.attn_norm for ly in layers], mlp_norm=[ly.mlp_norm for ly in layers],
+        post_attn_norm=optional(lambda ly: ly.post_attn_norm),
+        post_mlp_norm=optional(lambda ly: ly.post_mlp_norm),
+        qkv_bias=optional(lambda ly: ly.qkv_bias), q_norm=optional(lambda ly: ly.q_norm),
+        k_norm=optional(lambda ly: ly.k_norm),
+        blocks=[w.blocks for w in pieces], formats=[w.format for w in pieces],
+        counts=[len(cast(QuantProj, p).weight.pieces()) for p in projs],
+        local_rope=[int(ly.local_rope) for ly in layers])

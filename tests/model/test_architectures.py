@@ -81,7 +81,7 @@ def test_a_mistral_window_is_on_every_layer_and_caps_nothing() -> None:
     c = model_config({**SHAPE, "model_type": "mistral", "sliding_window": 128,
                       "layer_types": ["full_attention"] * 2}, "x")  # (ignored, as there)
     assert (c.max_position_embeddings, c.sliding_window, c.window_layers) == (512, 128, (0, 1))
-    assert not c.plain_llama  # the decode stack takes no window
+    assert not c.plain_llama  # tensor parallelism's shards take no window
     # a window as long as the context never binds: no window, plain Llama
     long = model_config({**SHAPE, "model_type": "mistral", "sliding_window": 512}, "x")
     assert (long.sliding_window, long.window_layers, long.plain_llama) == (None, (), True)
@@ -110,7 +110,7 @@ def test_a_gemma3_window_is_on_its_sliding_layers() -> None:
     c = model_config({**GEMMA3, "sliding_window": 128}, "x")
     assert c.max_position_embeddings == 512
     assert (c.sliding_window, c.window_layers) == (128, (0,))
-    assert not c.plain_llama  # so no decode stack, and tensor parallelism refuses it
+    assert not c.plain_llama  # tensor parallelism refuses it
     assert c.local_layers == (0,)
     assert c.attention_scale == 24**-0.5
     # no sliding layer: no window

@@ -102,3 +102,21 @@ def test_greedy_equals_transformers_alone_and_batched(gemma: tuple[Any, Any]) ->
     assert stats.preemptions >= 1
     assert stats.prefix_hits >= 1
     assert batched.pool.num_free == blocks
+
+
+def test_the_decode_stack_is_the_layer_loop_bit_for_bit(gemma: tuple[Any, Any]) -> None:
+    """Gemma's decode steps run in the native stack: mixed-format projections, q and k
+    norms, the norms of the attention and MLP outputs, the tanh-GELU gate, local RoPE on
+    the sliding layers and a window that binds (two of the three prompts are past it).
+    Its logprobs equal the layer loop's, bits."""
+    from support.decode_stack import both_ways
+
+    model, tok = gemma
+    cases = load_reference(FIXTURES / "reference_gemma3.json")
+    long = [list(c.prompt_ids) for c in cases if len(c.prompt_ids) > WINDOW][:2]
+    prompts = [*long, list(cases[0].prompt_ids)]
+    stacked, looped, calls = both_ways(model, tok, prompts, 6, EngineConfig(
+        block_size=16, num_blocks=120, max_model_len=1280))
+    assert stacked == looped
+    assert [len(v) for v in stacked.values()] == [6, 6, 6]
+    assert calls == 5

@@ -87,33 +87,20 @@ def test_the_gguf_blocks_are_the_converted_weights() -> None:
 
 @pytest.mark.real
 def test_the_decode_stack_is_the_layer_loop_bit_for_bit(smollm2_quantized: Any) -> None:
-    """Decode-only steps run every layer in one native call (csrc/stack.cpp); mixed steps
-    run the Python layer loop. Five sequences decoded both ways: the same logprobs, bits."""
+    """Five sequences decoded with the stack and with the layer loop: the same logprobs,
+    bits."""
+    from support.decode_stack import both_ways
+
     from nanoserve.config import EngineConfig
-    from nanoserve.engine.engine import Engine
-    from nanoserve.sampling.params import SamplingParams
     from nanoserve.tokenizer import Tokenizer
 
     model = smollm2_quantized
     tok = Tokenizer.from_folder(resolve_model("smollm2"))
-    assert model.stack_format == "q4_1"
-
-    def run(stack: bool) -> dict[str, list[tuple[int, float]]]:
-        fmt, model.stack_format = model.stack_format, model.stack_format if stack else None
-        try:
-            e = Engine(model, tok, EngineConfig(num_blocks=128, max_model_len=1024))
-            for i in range(5):
-                e.add_request(list(range(1000 + i, 1040 + 7 * i)), SamplingParams(
-                    temperature=0.0, ignore_eos=True, max_tokens=12, logprobs=2), f"r{i}")
-            out: dict[str, list[tuple[int, float]]] = {}
-            while e.has_unfinished():
-                for u in e.step().updates:
-                    out.setdefault(u.request_id, []).extend(
-                        (lp.token_id, lp.logprob) for lp in u.logprobs if lp is not None)
-            return out
-        finally:
-            model.stack_format = fmt
-
-    stacked = run(True)
-    assert stacked == run(False)
+    assert model.stack is not None
+    assert set(model.stack.formats) == {"q4_1"}
+    prompts = [list(range(1000 + i, 1040 + 7 * i)) for i in range(5)]
+    stacked, looped, calls = both_ways(model, tok, prompts, 12,
+                                       EngineConfig(num_blocks=128, max_model_len=1024))
+    assert stacked == looped
     assert all(len(v) == 12 for v in stacked.values())
+    assert calls == 11  # every step after the prefill

@@ -182,7 +182,7 @@ def test_a_fused_projection_of_mixed_formats_is_its_parts_side_by_side(isa: str)
     assert not same.weight.parts
 
 
-def test_a_mixed_projection_keeps_the_decode_stack_off() -> None:
+def test_a_mixed_projection_enters_the_decode_stack_as_its_pieces() -> None:
     from nanoserve.model.placement import LayerWeights, decode_stack_weights
 
     k = kernels_for(native.isa())
@@ -195,9 +195,16 @@ def test_a_mixed_projection_keeps_the_decode_stack_off() -> None:
         return LayerWeights(attn_norm=norm, qkv=qkv, o=one, mlp_norm=norm, gate_up=one,
                             down=one)
 
-    assert decode_stack_weights([layer(one)], usable=True)[0] == "q5_0"
-    assert decode_stack_weights([layer(mixed)], usable=True) == (None, ())
-    assert decode_stack_weights([layer(mixed), layer(mixed)], usable=True) == (None, ())
+    stack = decode_stack_weights([layer(one), layer(mixed)], usable=True)
+    assert stack is not None
+    # qkv, o, gate_up and down of each layer: the mixed qkv is three pieces, in row order
+    assert stack.counts == [1, 1, 1, 1, 3, 1, 1, 1]
+    assert stack.formats[4:7] == [p.format for p in parts[:3]]
+    assert [b.data_ptr() for b in stack.blocks[4:7]] == [p.blocks.data_ptr() for p in
+                                                        mixed.weight.parts]
+    assert stack.q_norm == []
+    assert stack.post_mlp_norm == []
+    assert decode_stack_weights([layer(mixed)], usable=False) is None
 
 
 @pytest.mark.parametrize("fmt", ["f16", "bf16"])

@@ -75,7 +75,7 @@ def test_the_window_is_the_models_and_the_context_is_not_capped(
     assert c.sliding_window == WINDOW
     assert c.window_layers == ((0,) if c.architecture == "gemma3" else (0, 1))
     assert c.max_position_embeddings == 512  # the checkpoint's, not the window
-    assert not c.plain_llama  # the fused decode stack takes no window
+    assert not c.plain_llama  # tensor parallelism's shards take no window
 
 
 def test_greedy_alone_and_batched_match_transformers(

@@ -18,6 +18,9 @@ void rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& 
                 const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& q_out,
                 const at::Tensor& k_out);
 void silu_mul(const at::Tensor& gate_up, const at::Tensor& out);
+void gelu_tanh_mul(const at::Tensor& gate_up, const at::Tensor& out);
+void norm_qk_heads(const at::Tensor& qkv, const at::Tensor& q_norm, const at::Tensor& k_norm,
+                   int64_t heads, int64_t kv_heads, double eps);
 
 // attention.cpp
 void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,

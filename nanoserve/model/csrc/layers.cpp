@@ -33,6 +33,33 @@ void check_rows(const at::Tensor& t, int64_t cols, const char* name) {
               name, ": float32 [T, ", cols, "] with unit column stride");
 }
 
+// out = weight * x / sqrt(mean(x^2) + eps) over one row of `cols`; first x += delta when
+// delta is given. out may be x itself (each value is read before it is written).
+inline void norm_row(float* xr, const float* dr, const float* wp, int64_t cols, float eps,
+                     float* orow) {
+  vfloat squares = {};
+  int64_t c = 0;
+  for (; c + kLanes <= cols; c += kLanes) {
+    vfloat v = load(xr + c);
+    if (dr != nullptr) {
+      v += load(dr + c);
+      store(xr + c, v);
+    }
+    squares += v * v;
+  }
+  float tail = 0.0f;
+  for (; c < cols; ++c) {
+    if (dr != nullptr) xr[c] += dr[c];
+    tail += xr[c] * xr[c];
+  }
+  const float mean = (hsum(squares) + tail) / static_cast<float>(cols);
+  const float inv = 1.0f / std::sqrt(mean + eps);
+  for (c = 0; c + kLanes <= cols; c += kLanes) {
+    store(orow + c, load(wp + c) * (load(xr + c) * inv));
+  }
+  for (; c < cols; ++c) orow[c] = wp[c] * (xr[c] * inv);
+}
+
 // out[t] = weight * x[t] / sqrt(mean(x[t]^2) + eps); first x[t] += delta[t] when given.
 void norm_rows(const at::Tensor& x, const at::Tensor* delta, const at::Tensor& weight,
                double eps, const at::Tensor& out) {
@@ -55,30 +82,7 @@ void norm_rows(const at::Tensor& x, const at::Tensor* delta, const at::Tensor& w
   const float feps = static_cast<float>(eps);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      float* xr = xp + t * xs;
-      const float* dr = dp != nullptr ? dp + t * ds : nullptr;
-      float* orow = op + t * os;
-      vfloat squares = {};
-      int64_t c = 0;
-      for (; c + kLanes <= cols; c += kLanes) {
-        vfloat v = load(xr + c);
-        if (dr != nullptr) {
-          v += load(dr + c);
-          store(xr + c, v);
-        }
-        squares += v * v;
-      }
-      float tail = 0.0f;
-      for (; c < cols; ++c) {
-        if (dr != nullptr) xr[c] += dr[c];
-        tail += xr[c] * xr[c];
-      }
-      const float mean = (hsum(squares) + tail) / static_cast<float>(cols);
-      const float inv = 1.0f / std::sqrt(mean + feps);
-      for (c = 0; c + kLanes <= cols; c += kLanes) {
-        store(orow + c, load(wp + c) * (load(xr + c) * inv));
-      }
-      for (; c < cols; ++c) orow[c] = wp[c] * (xr[c] * inv);
+      norm_row(xp + t * xs, dp != nullptr ? dp + t * ds : nullptr, wp, cols, feps, op + t * os);
     }
   });
 }
@@ -169,6 +173,64 @@ void rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& 
   });
 }
 
+// The q and k heads of qkv [T, (H + 2 KV) * D] each RMS-normed over its D values, in place
+// (Qwen3's and Gemma 3's q_norm and k_norm, before RoPE); v is left as it is. Per head the
+// arithmetic of rms_norm on a [*, D] tensor.
+void norm_qk_heads(const at::Tensor& qkv, const at::Tensor& q_norm, const at::Tensor& k_norm,
+                   int64_t heads, int64_t kv_heads, double eps) {
+  const int64_t dim = q_norm.numel(), tokens = qkv.size(0);
+  check_rows(qkv, (heads + 2 * kv_heads) * dim, "qkv");
+  TORCH_CHECK(k_norm.numel() == dim && q_norm.is_contiguous() && k_norm.is_contiguous() &&
+                  q_norm.scalar_type() == at::kFloat && k_norm.scalar_type() == at::kFloat,
+              "q_norm and k_norm: float32 [D]");
+  float* base = qkv.data_ptr<float>();
+  const float* qw = q_norm.data_ptr<float>();
+  const float* kw = k_norm.data_ptr<float>();
+  const int64_t stride = qkv.stride(0), normed = heads + kv_heads;
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, tokens * normed, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / normed, h = i % normed;
+      float* head = base + t * stride + h * dim;
+      norm_row(head, nullptr, h < heads ? qw : kw, dim, feps, head);
+    }
+  });
+}
+
+// out = gelu(gate) * up with gelu's tanh approximation (Gemma's GeGLU):
+// gelu(x) = x / 2 (1 + tanh(y)), y = sqrt(2 / pi) (x + 0.044715 x^3). With e = e^-2|y| in
+// (0, 1], 1 + tanh(y) is 2 / (1 + e) for y >= 0 and 2 e / (1 + e) below: no overflow, and
+// no cancellation where tanh(y) nears -1 (the tail that 1 + tanh would round to zero).
+void gelu_tanh_mul(const at::Tensor& gate_up, const at::Tensor& out) {
+  const int64_t rows = gate_up.size(0), inter = out.size(1);
+  check_rows(gate_up, 2 * inter, "gate_up");
+  check_rows(out, inter, "out");
+  TORCH_CHECK(out.size(0) == rows, "out [T, I] for gate_up [T, 2 I]");
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t gs = gate_up.stride(0), os = out.stride(0);
+  constexpr float kSqrt2OverPi = 0.7978845608028654f, kCubic = 0.044715f;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* g = gp + t * gs;
+      float* o = op + t * os;
+      int64_t i = 0;
+      for (; i + kLanes <= inter; i += kLanes) {
+        const vfloat x = load(g + i);
+        const vfloat y = kSqrt2OverPi * (x + kCubic * (x * x * x));
+        const vfloat ay = y < 0.0f ? -y : y;
+        const vfloat e = exp_nonpositive(-2.0f * ay);
+        const vfloat one_plus = (y < 0.0f ? 2.0f * e : vfloat{} + 2.0f) / (1.0f + e);
+        store(o + i, 0.5f * x * one_plus * load(g + inter + i));
+      }
+      for (; i < inter; ++i) {
+        const float x = g[i], y = kSqrt2OverPi * (x + kCubic * (x * x * x));
+        o[i] = 0.5f * x * (1.0f + std::tanh(y)) * g[inter + i];
+      }
+    }
+  });
+}
+
 // out = silu(gate) * up, gate_up [T, 2 I] holding gate then up. silu(x) = x / (1 + e^-x),
 // from e^-|x| so that the exponential never overflows.
 void silu_mul(const at::Tensor& gate_up, const at::Tensor& out) {
@@ -205,6 +267,10 @@ TORCH_LIBRARY_FRAGMENT(NANOSERVE_NS, m) {
       "rope_store(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor slot_mapping, "
       "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) q_out, Tensor(d!) k_out) -> ()");
   m.def("silu_mul(Tensor gate_up, Tensor(a!) out) -> ()");
+  m.def("gelu_tanh_mul(Tensor gate_up, Tensor(a!) out) -> ()");
+  m.def(
+      "norm_qk_heads(Tensor(a!) qkv, Tensor q_norm, Tensor k_norm, int heads, int kv_heads, "
+      "float eps) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(NANOSERVE_NS, CPU, m) {
@@ -212,4 +278,6 @@ TORCH_LIBRARY_IMPL(NANOSERVE_NS, CPU, m) {
   m.impl("add_rms_norm", &nanoserve::add_rms_norm);
   m.impl("rope_store", &nanoserve::rope_store);
   m.impl("silu_mul", &nanoserve::silu_mul);
+  m.impl("gelu_tanh_mul", &nanoserve::gelu_tanh_mul);
+  m.impl("norm_qk_heads", &nanoserve::norm_qk_heads);
 }
