@@ -2,7 +2,8 @@
 reads them back close to the input (within a step of each unit's range) at the right size,
 zeros exactly; and nanoserve reading them from a GGUF file (its own blocks, its kernels'
 dequantization) gets gguf-py's values bit for bit, so the files written with them
-(test_architectures_gguf.py) test nanoserve's K-quant reading against transformers."""
+(test_architectures_gguf.py) test nanoserve's K-quant reading against transformers. The
+GGUF writer (support/write_gguf.py) falls back to Q8_0 for rows no superblock divides."""
 
 from __future__ import annotations
 
@@ -82,3 +83,13 @@ def test_nanoserve_reads_the_written_blocks_as_gguf_py_does_bit_for_bit(tmp_path
         ours = w.dequantize()
         ref = torch.from_numpy(dequantize(QUANTIZERS[fmt](a), gguf.GGMLQuantizationType[fmt]))
         assert torch.equal(ours.view(torch.int32), ref.view(torch.int32)), name
+
+
+def test_the_writer_falls_back_to_q8_0_for_rows_that_are_not_whole_superblocks() -> None:
+    from support.write_gguf import _quantized
+
+    a = _weights(8, 512, seed=4)
+    assert _quantized(a, "Q6_K")[1] == gguf.GGMLQuantizationType.Q6_K
+    blocks, qtype = _quantized(a[:, :128], "Q6_K")
+    assert qtype == gguf.GGMLQuantizationType.Q8_0
+    assert blocks.shape == (8, 4 * 34)

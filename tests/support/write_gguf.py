@@ -17,6 +17,7 @@ import torch
 from gguf.quants import quantize
 
 from nanoserve.model.loader import embedded_gguf_path
+from support.kquants import QK_K, QUANTIZERS
 
 # Hugging Face per-layer names -> GGUF ones (after "model.layers.{i}." / "blk.{i}.").
 _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
@@ -54,8 +55,9 @@ def gguf_name(hf: str, arch: str = "llama") -> str:
 def write_gguf(path: Path, arch: str, config: Any, tensors: dict[str, torch.Tensor],
                quant: str = "F32") -> Path:
     """Write `tensors` (Hugging Face names, float32) as a GGUF of `arch` ("llama", "qwen2",
-    "qwen3", "gemma3"); matrices in `quant` ("F32", or a block format gguf-py quantizes:
-    "Q8_0", "Q5_0", ...), vectors (norms, biases) in F32."""
+    "qwen3", "gemma3"); matrices in `quant` ("F32", a block format gguf-py quantizes:
+    "Q8_0", "Q5_0", ..., or a K-quant, "Q4_K", "Q5_K", "Q6_K", by support/kquants.py),
+    vectors (norms, biases) in F32."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(config.num_hidden_layers)
     w.add_context_length(config.max_position_embeddings)
@@ -81,8 +83,8 @@ def write_gguf(path: Path, arch: str, config: Any, tensors: dict[str, torch.Tens
                      else config.num_key_value_heads)
             a = permute_rope_rows(a, heads)
         if quant != "F32" and a.ndim == 2:
-            qtype = gguf.GGMLQuantizationType[quant]
-            w.add_tensor(gguf_name(name, arch), quantize(a, qtype), raw_dtype=qtype)
+            blocks, qtype = _quantized(a, quant)
+            w.add_tensor(gguf_name(name, arch), blocks, raw_dtype=qtype)
         else:
             w.add_tensor(gguf_name(name, arch), np.ascontiguousarray(a))
     w.write_header_to_file()
@@ -90,6 +92,19 @@ def write_gguf(path: Path, arch: str, config: Any, tensors: dict[str, torch.Tens
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _quantized(a: np.ndarray, quant: str) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
+    """A matrix's blocks in `quant`, and the type they are in. A K-quant's rows are whole
+    256-weight superblocks; a matrix whose rows are not is written in Q8_0 instead, as
+    llama.cpp's quantizer writes such a tensor in a 32-weight format (Q5_0 for Q4_K, Q5_1
+    for Q5_K, Q8_0 for Q6_K)."""
+    if quant in QUANTIZERS:
+        if a.shape[1] % QK_K == 0:
+            return QUANTIZERS[quant](a), gguf.GGMLQuantizationType[quant]
+        quant = "Q8_0"
+    qtype = gguf.GGMLQuantizationType[quant]
+    return quantize(a, qtype), qtype
 
 
 def _copy_tokenizer(w: gguf.GGUFWriter) -> None:
