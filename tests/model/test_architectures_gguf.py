@@ -1,12 +1,13 @@
 """Token identity with transformers for GGUF files of each architecture nanoserve reads
 from GGUF (llama, qwen2, qwen3, gemma3), written with gguf-py as llama.cpp's converter writes
-them (tests/support/write_gguf.py), in F32 or Q8_0. (gguf-py has no K-quant quantizer: the
-embedded Gemma 3 file's Q4_K, Q5_0 and Q6_K blocks are tested in test_gemma3_embedded.py.)
+them (tests/support/write_gguf.py), in F32, Q8_0, Q4_K or Q6_K. gguf-py has no K-quant
+quantizer: the K-quant blocks are written by tests/support/kquants.py, whose byte layout
+test_kquants_writer.py checks against gguf-py's reader.
 
-nanoserve reads the file itself (metadata, tokenizer, tensors: Q8_0 blocks kept as blocks);
+nanoserve reads the file itself (metadata, tokenizer, tensors: block formats kept as blocks);
 transformers reads the same file through its own GGUF loader (`gguf_file=`), which
-dequantizes it. Both see the same values, so greedy 32 tokens on 8 prompts, alone and
-batched with chunking and preemption, must be equal under the near-tie rule.
+dequantizes it through gguf-py. Both see the same values, so greedy 32 tokens on 8 prompts,
+alone and batched with chunking and preemption, must be equal under the near-tie rule.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from support.write_gguf import write_gguf
 
 from nanoserve.model import load
 from nanoserve.model.gguf import gguf_architecture, open_gguf, read_gguf_weights
+from nanoserve.model.llama import LlamaModel
 from nanoserve.model.quant import BLOCK_BYTES, QuantProj, QuantWeight
 
 # GGUF architecture -> the tiny checkpoint it is written from (Mistral's shape is a llama
@@ -41,12 +43,20 @@ KINDS = {"llama": "mistral", "qwen2": "qwen2-untied", "qwen3": "qwen3", "gemma3"
 OVERRIDES = {"gemma3": {"num_hidden_layers": 6, "head_dim": 256, "sliding_window": 16,
                         "layer_types": None, "rope_local_base_freq": 10000.0,
                         "query_pre_attn_scalar": 256, "rope_scaling": None}}
+# A K-quant's rows are 256-weight superblocks, and the tiny checkpoints' are 64 or 128 long
+# (a writer falls back to Q8_0 for those): the K-quant files are of a wider checkpoint, so
+# that every projection's rows, the embedding's and the head's are whole superblocks (hidden
+# 256; intermediate 512; H * D 512 for qwen3's head_dim 128, 256 for llama's 4 heads of 64).
+K_SHAPE = {"hidden_size": 256, "intermediate_size": 512}
+K_OVERRIDES = {"qwen3": K_SHAPE, "llama": {**K_SHAPE, "head_dim": 64}}
 
 
-# Each architecture once (a file's setup costs transformers' GGUF reading twice), F32 and
-# Q8_0 both covered: F32 tensors become float32 projections, Q8_0 stay blocks.
-@pytest.fixture(scope="module", params=[("llama", "F32"), ("qwen2", "Q8_0"), ("qwen3", "Q8_0"),
-                                        ("gemma3", "Q8_0")],
+# Each architecture once, and llama twice (a file's setup costs tens of seconds: transformers'
+# GGUF reading, its greedy runs, nanoserve's load). F32 tensors become float32 projections,
+# block formats stay blocks; Q8_0 on two files, and each K-quant layout on one (Q4_K's
+# 6-bit scales and mins, Q6_K's int8 scales over 6-bit quants).
+@pytest.fixture(scope="module", params=[("llama", "F32"), ("qwen2", "Q8_0"), ("qwen3", "Q4_K"),
+                                        ("gemma3", "Q8_0"), ("llama", "Q6_K")],
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def gguf_file(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
               smollm2_folder: Path) -> tuple[str, str, Path, list[RefCase]]:
@@ -54,7 +64,9 @@ def gguf_file(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 
     arch, quant = request.param
     folder = tmp_path_factory.mktemp(f"{arch}-{quant}")
-    hf = write_checkpoint(KINDS[arch], folder, smollm2_folder, OVERRIDES.get(arch))
+    overrides = {**OVERRIDES.get(arch, {}),
+                 **(K_OVERRIDES[arch] if quant.endswith("_K") else {})}
+    hf = write_checkpoint(KINDS[arch], folder, smollm2_folder, overrides)
     tensors = dict(hf.state_dict())
     if hf.config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
@@ -76,7 +88,16 @@ def test_greedy_from_the_gguf_matches_transformers_reading_it(
                         lambda _=None: path.parent / "cache")
     model, tok = load(str(path))
     assert model.config.architecture == arch
-    assert isinstance(model.layers[0].qkv, QuantProj) == (quant == "Q8_0")
+    assert isinstance(model, LlamaModel)  # every architecture's, on the CPU
+    ly = model.layers[0]
+    projs = (ly.qkv, ly.o, ly.gate_up, ly.down, model.lm_head)
+    if quant == "F32":
+        assert not any(isinstance(p, QuantProj) for p in projs)
+    else:  # every matrix kept in the file's own blocks (none fell back to Q8_0)
+        fmt = quant.lower()
+        assert [p.weight.format for p in projs if isinstance(p, QuantProj)] == [fmt] * 5
+        assert model.embed_q is not None
+        assert model.embed_q.format == fmt
     compared = check_alone_and_batched(model, tok, cases)
     assert compared >= 0.75 * len(PROMPTS) * MAX_NEW_TOKENS, compared
 
