@@ -277,6 +277,10 @@ def test_events_validate_and_follow_the_documented_order(name: str) -> None:
     expected.append(end)
     assert _collapse([e["type"] for e in events]) == expected
     assert events[-1]["response"] == final
+    for e in events:  # output_index is the item's position in the final output
+        if "output_index" in e:
+            item_id = e["item"]["id"] if "item" in e else e["item_id"]
+            assert final["output"][e["output_index"]]["id"] == item_id
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
