@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.meta
 import jinja2.sandbox
 from tokenizers import Tokenizer as _HFTokenizer
 
@@ -122,6 +123,7 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         now: Callable[[], float] = time.time,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         """Render `messages` with the model's (or the given) Jinja chat template. As in
         transformers, a template may call `strftime_now(fmt)` (Llama 3.x puts today's date in
@@ -140,8 +142,19 @@ class Tokenizer:
 
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = strftime_now
+        extra = {} if tools is None else {"tools": list(tools)}  # as transformers passes them
         return env.from_string(template).render(
             messages=list(messages),
             add_generation_prompt=add_generation_prompt,
             **self._special_tokens,
+            **extra,
         )
+
+    def template_reads(self, name: str, chat_template: str | None = None) -> bool:
+        """Whether the chat template (the given one, else the model's) reads the variable
+        `name` at all: one that never reads `tools` cannot show the model its functions."""
+        template = chat_template or self.chat_template
+        if template is None:
+            return False
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment()
+        return name in jinja2.meta.find_undeclared_variables(env.parse(template))

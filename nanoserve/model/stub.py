@@ -16,6 +16,7 @@ completions that share a history, the n siblings of one request, almost never pa
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
@@ -38,6 +39,11 @@ _NUM_CANDIDATES = 6
 _VECTOR_ROWS = 8
 _TAIL = 4  # history tokens the hash reads
 STUB_CONTEXT = 8192  # the stub's context length, as SmolLM2's
+# A prompt holding `⟪say⟫TEXT⟪/say⟫` makes the stub say TEXT (its tokens, then EOS; the last
+# such script where there are several): the tests' scripted outputs (tool-call markup,
+# reasoning), replayable from a trace.
+SAY_OPEN, SAY_CLOSE = "⟪say⟫", "⟪/say⟫"
+_SCRIPTS_KEPT = 1024  # sequences whose script (or its absence) is remembered
 
 
 class StubModel:
@@ -83,6 +89,38 @@ class StubModel:
             self._next_array[a] = b
         self._eos_cut = int(eos_prob * (1 << 32))
         self._values = torch.tensor([10.0, 9.25, 8.75, 8.25, 7.75, 7.25])[:_NUM_CANDIDATES]
+        self._tokenizer = tokenizer
+        # id(history) -> (the history list itself, its script's tokens or None): a
+        # sequence's prompt is read once, not every step
+        self._scripts: OrderedDict[int, tuple[Sequence[int], list[int] | None]] = OrderedDict()
+
+    def _script(self, hist: Sequence[int]) -> list[int] | None:
+        """The tokens the prompt in `hist` tells the stub to say, if it does."""
+        key = id(hist)
+        got = self._scripts.get(key)
+        if got is not None and got[0] is hist:
+            self._scripts.move_to_end(key)
+            return got[1]
+        text = self._tokenizer.decode(list(hist), skip_special_tokens=False)
+        start = text.rfind(SAY_OPEN)  # the last: a tool result may script the next turn
+        end = text.find(SAY_CLOSE, start)
+        script = (self._tokenizer.encode(text[start + len(SAY_OPEN):end])
+                  if start >= 0 and end > start else None)
+        self._scripts[key] = (hist, script)
+        if len(self._scripts) > _SCRIPTS_KEPT:
+            self._scripts.popitem(last=False)
+        return script
+
+    def _scripted(self, hist: Sequence[int], upto: int) -> int | None:
+        """The scripted next token after hist[:upto] (EOS once it is all said), or None:
+        the output so far is the longest suffix of the history that begins the script."""
+        script = self._script(hist)
+        if script is None:
+            return None
+        for k in range(min(len(script), upto), 0, -1):
+            if list(hist[upto - k:upto]) == script[:k]:
+                return script[k] if k < len(script) else self._eos
+        return script[0] if script else self._eos
 
     # The stub keeps no KV: these exist so it satisfies the Model protocol.
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
@@ -149,12 +187,15 @@ class StubModel:
         logits: the engine's fast path when every row is plain greedy. Simulation runs
         millions of such rows, and the logits tensor and its argmax were most of a step."""
         rows = self._logits_rows(batch)
-        if len(rows) >= _VECTOR_ROWS and all(upto >= _TAIL for _, upto in rows):
+        said = [self._scripted(batch.histories[row], upto) for row, upto in rows]
+        if (len(rows) >= _VECTOR_ROWS and all(upto >= _TAIL for _, upto in rows)
+                and all(t is None for t in said)):
             return self._top_array(batch, rows)
         out: list[int] = []
-        for row, upto in rows:
+        for (row, upto), token in zip(rows, said, strict=True):
             hist = batch.histories[row]
-            out.append(self._top(upto, hist[max(0, upto - 4) : upto], batch.seeds[row]))
+            out.append(token if token is not None
+                       else self._top(upto, hist[max(0, upto - 4) : upto], batch.seeds[row]))
         return out
 
     def _top_array(self, batch: ForwardBatch, rows: list[tuple[int, int]]) -> list[int]:
@@ -209,7 +250,11 @@ class StubModel:
             # The history up to and including the token at `idx`.
             upto = batch.context_lens[row] - (ends[row] - 1 - idx)
             hist = batch.histories[row]
-            picks.append(self._candidates(upto, hist[max(0, upto - 4) : upto], batch.seeds[row]))
+            cands = self._candidates(upto, hist[max(0, upto - 4) : upto], batch.seeds[row])
+            token = self._scripted(hist, upto)
+            if token is not None:  # first, the rest keep their order
+                cands = [token, *[t for t in cands if t != token]][:_NUM_CANDIDATES]
+            picks.append(cands)
         logits = torch.full((len(rows), self.config.vocab_size), -10.0)
         cand = torch.tensor(picks, dtype=torch.long).view(len(rows), _NUM_CANDIDATES)
         logits.scatter_(1, cand, self._values.expand(len(rows), -1))

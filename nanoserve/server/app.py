@@ -24,7 +24,7 @@ from werkzeug.exceptions import HTTPException
 
 from nanoserve.bridge import BridgeStats, EngineDeadError
 from nanoserve.bridge.clock import Clock
-from nanoserve.server import admin, generation, openapi
+from nanoserve.server import admin, generation, openapi, responses_route
 from nanoserve.server.config import ServerConfig
 from nanoserve.server.connection import Connection
 from nanoserve.server.cors import CorsMiddleware
@@ -76,6 +76,7 @@ def create_app(
     app.register_error_handler(HTTPException, _http_error)
     app.register_error_handler(Exception, _unexpected)
     generation.register(app)
+    responses_route.register(app)
     admin.register(app)
     openapi.register(app)
     return app

@@ -15,6 +15,7 @@ canonical types, what a client should send; the lax spellings are accepted, not 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -55,18 +56,46 @@ class TextPart(Body):
     text: StrictStr
 
 
+class CalledFunction(BaseModel):
+    name: StrictStr
+    arguments: Annotated[StrictStr, schema(description="a JSON object's text")]
+
+
+class MessageToolCall(BaseModel):
+    """A call an earlier assistant turn made (its result comes in a `tool` message)."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class Message(BaseModel):
     # Other keys (name, ...) reach the chat template as they came.
     model_config = ConfigDict(extra="allow")
     role: Annotated[StrictStr, schema(description="the chat template may refuse a role")]
     content: StrictStr | list[TextPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: Annotated[StrictStr | None, schema(
+        description="required in a tool message: the call it answers")] = None
 
     def as_dict(self) -> dict[str, Any]:
-        """The message for the chat template: text parts joined, null content empty."""
+        """The message for the chat template: text parts joined, null content empty, and
+        each tool call's arguments as an object where they are one (as transformers'
+        templates take them, `arguments | tojson`; vLLM passes them so too)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(p.text for p in content)
-        return {**self.model_dump(), "content": content or ""}
+        out = {**self.model_dump(exclude_none=True), "content": content or ""}
+        for call in out.get("tool_calls", []):
+            fn = call["function"]
+            try:
+                args = json.loads(fn["arguments"])
+            except ValueError:
+                continue
+            if isinstance(args, dict):
+                fn["arguments"] = args
+        return out
 
 
 MAX_TOKENS_NOTE = "prompt + max_tokens must fit max_model_len and the KV pool (else a 400)"

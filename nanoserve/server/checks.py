@@ -24,6 +24,9 @@ from nanoserve.model.preflight import check_int8_activations
 
 # vLLM's rule for --chat-template: a value holding one of these is a template, else a path.
 _JINJA_CHARS = "{}\n"
+# Templates nanoserve ships, by name: ChatML that renders tools (server/templates/).
+_TEMPLATES = Path(__file__).parent / "templates"
+BUILTIN_TEMPLATES = {"chatml-tools": "chatml_tools.jinja"}
 
 
 def check_flags(a: argparse.Namespace) -> None:
@@ -36,11 +39,14 @@ def check_flags(a: argparse.Namespace) -> None:
 
 
 def chat_template(value: str | None) -> str | None:
-    """The template `--chat-template` names: a file holding one, or the template itself,
+    """The template `--chat-template` names: a built-in one (BUILTIN_TEMPLATES), a file
+    holding one, or the template itself,
     compiled once here so that a syntax error is refused at start-up, not at the first chat
     request. A value that looks like a path (no braces, one line) must be a file."""
     if value is None:
         return None
+    if value in BUILTIN_TEMPLATES:
+        return (_TEMPLATES / BUILTIN_TEMPLATES[value]).read_text(encoding="utf-8")
     path = Path(value)
     if path.is_file() or not any(c in value for c in _JINJA_CHARS):
         try:

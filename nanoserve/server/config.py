@@ -20,6 +20,18 @@ class CorsPolicy:
 
 
 @dataclass(frozen=True, slots=True)
+class AgentSettings:
+    """How chat answers are read for agents (server/tools/), as vLLM's flags decide it:
+    `--tool-call-parser` (None: hermes where the chat template is ChatML),
+    `--enable-auto-tool-choice` (tool_choice "auto" is refused without it) and
+    `--reasoning-parser` (None: no reasoning_content split)."""
+
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ServerConfig:
     served_model_name: str
     # Never in a repr: the config ends up in logs and tracebacks.
@@ -30,3 +42,4 @@ class ServerConfig:
     chat_template: str | None = None  # overrides the tokenizer's
     model_root: str | None = None  # what /v1/models reports as the model's source
     cors: CorsPolicy = CorsPolicy()
+    agents: AgentSettings = AgentSettings()

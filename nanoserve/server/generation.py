@@ -57,7 +57,7 @@ async def _generate(
     shapes = Shapes(kind, f"{prefix}-{core}", int(st.now()), st.config.served_model_name,
                     r.tokens, req.params.logprobs is not None,
                     num_top=req.params.logprobs or 0, prompt_logprobs=req.prompt_logprobs,
-                    token_ids=req.return_token_ids)
+                    token_ids=req.return_token_ids, output=req.output)
     return await respond(
         r.registry, current_app.nursery, prepared, shapes, prefixes,  # type: ignore[attr-defined]
         stream=req.stream, usage=req.usage, headers={"X-Request-Id": core},
@@ -83,5 +83,5 @@ def register(app: Quart) -> None:
         st = current_state()
         r = ready(st)
         req = parse.chat(await read_json(), r.api, r.tokenizer, st.config.chat_template,
-                         st.now)
+                         st.now, st.config.agents)
         return await _generate(st, r, "chat", req, None)

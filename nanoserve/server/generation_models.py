@@ -61,6 +61,38 @@ class StructuredOutputs(BaseModel):
     grammar: Annotated[StrictStr | None, Field(min_length=1)] = None
 
 
+class FunctionDef(BaseModel):
+    """A function the model may call: its name, what it does, its arguments' JSON schema."""
+
+    model_config = ConfigDict(extra="ignore")
+    name: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: StrictStr | None = None
+    parameters: Annotated[dict[str, Any] | None, schema(
+        description="a JSON schema (checked against Draft 2020-12's metaschema)")] = None
+    strict: Bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ToolName(BaseModel):
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: ToolName
+
+
+ToolChoice = Annotated[Literal["none", "auto", "required"] | NamedToolChoice, schema(
+    description="none | auto (needs --enable-auto-tool-choice) | required | a function; "
+                "required and a named function are enforced by the grammar engine")]
+
+
 _PENALTY = schema(minimum=-MAX_ABS_PENALTY, maximum=MAX_ABS_PENALTY)
 # Keys are token ids: pydantic would write a key pattern as patternProperties, which
 # leaves other keys open, so this schema is spelled out.
@@ -102,6 +134,9 @@ def generation_models(served: str, b: Bounds) -> tuple[type[Body], type[Body]]:
         logprobs: Bool | None = None
         top_logprobs: Annotated[Int | None, schema(
             minimum=0, maximum=MAX_LOGPROBS, description="needs logprobs: true")] = None
+        tools: list[Tool] | None = None
+        tool_choice: ToolChoice | None = None
+        parallel_tool_calls: Bool | None = None
 
     return Completion, Chat
 

@@ -41,8 +41,9 @@ from nanoserve.model.preflight import check_device, check_model
 from nanoserve.model.quant import CHOICES
 from nanoserve.server import checks, hypercorn_fixes
 from nanoserve.server.app import create_app, drain
-from nanoserve.server.config import CorsPolicy, ServerConfig
+from nanoserve.server.config import AgentSettings, CorsPolicy, ServerConfig
 from nanoserve.server.recording import Recorder
+from nanoserve.server.tools import REASONING_PARSERS, TOOL_PARSERS
 
 log = logging.getLogger("nanoserve.server")
 
@@ -55,6 +56,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     _model_args(p.add_argument_group("model"))
     _engine_args(p.add_argument_group("engine"))
     _http_args(p.add_argument_group("HTTP server"))
+    _agent_args(p.add_argument_group("agents (vLLM's flags)"))
 
 
 def _model_args(g: argparse._ArgumentGroup) -> None:
@@ -84,7 +86,8 @@ def _model_args(g: argparse._ArgumentGroup) -> None:
       default=DEFAULT_HEARTBEAT_TIMEOUT_S, metavar="SECONDS",
       help="seconds a tensor-parallel rank may go silent (stopped, hung) before it is taken as "
       f"lost: the engine fails and /health answers 503 [{DEFAULT_HEARTBEAT_TIMEOUT_S:g}]")
-    a("--chat-template", default=None, help="a Jinja template, or a file holding one")
+    a("--chat-template", default=None, help="a Jinja template, or a file holding one, or "
+      "chatml-tools (nanoserve's ChatML that renders tools)")
 
 
 def _engine_args(g: argparse._ArgumentGroup) -> None:
@@ -128,6 +131,16 @@ def _http_args(g: argparse._ArgumentGroup) -> None:
       help="let cross-origin requests carry cookies and Authorization (never with a `*`)")
 
 
+def _agent_args(g: argparse._ArgumentGroup) -> None:
+    a = g.add_argument
+    a("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+      help="how tool calls are read out of the model's text [hermes for ChatML templates]")
+    a("--enable-auto-tool-choice", action="store_true",
+      help='let requests use tool_choice "auto" (the model decides whether to call)')
+    a("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+      help="split <think>...</think> into reasoning_content")
+
+
 def engine_config(a: argparse.Namespace) -> EngineConfig:
     extra = {} if a.kv_cache_memory is None else {"kv_cache_memory": a.kv_cache_memory}
     return EngineConfig(
@@ -146,6 +159,8 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
         api_key=a.api_key or os.environ.get("NANOSERVE_API_KEY") or None,
         max_queue=a.max_queue, max_body_bytes=a.max_body_bytes, body_timeout=a.body_timeout,
         chat_template=template, model_root=a.model, cors=cors,
+        agents=AgentSettings(a.tool_call_parser, a.enable_auto_tool_choice,
+                             a.reasoning_parser),
     )
 
 

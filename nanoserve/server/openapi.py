@@ -59,6 +59,29 @@ _PROMPT_LOGPROBS = {"type": ["array", "null"],
 _PROMPT_EXTRAS = {"prompt_logprobs": _PROMPT_LOGPROBS, "prompt_token_ids": _IDS}
 
 
+# A chat message's fields beyond role and content, present where they apply.
+_CALL = _obj({"id": _STR, "type": {"const": "function"}, "function": _obj(
+    {"name": _STR, "arguments": {"type": "string", "description": "a JSON object's text"}})})
+_MESSAGE_EXTRAS = {"tool_calls": {"type": "array", "items": _CALL},
+                   "reasoning_content": {"type": ["string", "null"]}}
+# /v1/responses: what server/responses_api.py reads (it names a bad field in its 400);
+# the stateful fields are typed null (the server keeps no responses).
+_ITEMS = {"type": "array", "items": {"type": "object"}}
+_RESPONSES_BODY: Schema = {"type": "object", "required": ["input"], "properties": {
+    "model": _STR, "input": {"type": ["string", "array"], "items": {"type": "object"}},
+    "instructions": {"type": ["string", "null"]}, "tools": _ITEMS,
+    "tool_choice": {"type": ["string", "object"]},
+    "parallel_tool_calls": {"type": "boolean"},
+    "max_output_tokens": {"type": ["integer", "null"], "minimum": 1},
+    "temperature": {"type": ["number", "null"], "minimum": 0},
+    "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
+    "text": {"type": "object"}, "stream": {"type": "boolean"},
+    "previous_response_id": {"type": "null", "description": "stateless: any value is a 400"},
+}}
+_RESPONSE = _obj({"id": _STR, "object": {"const": "response"}, "created_at": _NUM,
+                  "status": _STR, "model": _STR, "output": _ITEMS})
+
+
 def _generation(kind: str, choice: dict[str, Schema]) -> Schema:
     chat = kind == "chat.completion"
     extra_choice = {"token_ids": _IDS, **({} if chat else _PROMPT_EXTRAS)}
@@ -111,8 +134,9 @@ def _paths(body: dict[str, Schema], *, auth: bool) -> Schema:
     gen = (400, 404, 408, 413, 429, 503)
     aux = (400, 404, 408, 413, 503)
     completion = _generation("text_completion", {"text": _STR})
-    chat = _generation("chat.completion", {"message": _obj(
-        {"role": {"const": "assistant"}, "content": _STR})})
+    message = _obj({"role": {"const": "assistant"}, "content": {"type": ["string", "null"]}})
+    message["properties"].update(_MESSAGE_EXTRAS)
+    chat = _generation("chat.completion", {"message": message})
     card = _obj({"id": _STR, "object": {"const": "model"}, "created": _NUM,
                  "owned_by": _STR, "root": _STR, "parent": {"type": "null"},
                  "max_model_len": {"type": ["integer", "null"]}})
@@ -131,6 +155,8 @@ def _paths(body: dict[str, Schema], *, auth: bool) -> Schema:
                                        body["/v1/completions"])},
         "/v1/chat/completions": {"post": op("Chat", _ok(chat, sse=True), gen,
                                             body["/v1/chat/completions"])},
+        "/v1/responses": {"post": op("OpenAI's Responses API, stateless", _ok(
+            _RESPONSE, sse=True), gen, _RESPONSES_BODY)},
         "/health": {"get": op("Liveness: 503 while loading, draining or dead",
                               _ok(_obj({"status": {"const": "ok"}})), (503,), None,
                               public=True)},

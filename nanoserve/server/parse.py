@@ -5,7 +5,7 @@ is generated from); values by `SamplingParams`, whose checks raise `ParamError` 
 field; what depends on several fields (best_of and n, stream_options without stream, ...)
 here. Either way a bad body is a 400 whose `param` names the field, before anything reaches
 the engine. Fields we do not know are ignored (clients send vendor extras); fields we know
-but cannot honour (tools, functions, ...) are refused rather than silently dropped,
+but cannot honour (the legacy functions, ...) are refused rather than silently dropped,
 because ignoring them would hand back an answer of a different shape than the client asked
 for.
 """
@@ -24,9 +24,12 @@ from pydantic import BaseModel
 from nanoserve.sampling.grammar import GuidedSpec
 from nanoserve.sampling.params import ParamError, SamplingParams
 from nanoserve.server.body_types import Message
+from nanoserve.server.config import AgentSettings
 from nanoserve.server.errors import ApiError, bad_request, from_param_error
 from nanoserve.server.nesting import MAX_DEPTH, deep_field, too_deep
 from nanoserve.server.protocol import Protocol, validate
+from nanoserve.server.tools.output import OutputPlan
+from nanoserve.server.tools.plan import constraint_with, plan_tools
 from nanoserve.tokenizer import Tokenizer
 
 Prompt = str | list[int]
@@ -38,8 +41,10 @@ _SAMPLING_FIELDS = (
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
     "prompt_logprobs",
 )  # fmt: skip
-_REFUSED = ("tools", "tool_choice", "functions", "function_call", "suffix")
+_REFUSED = ("functions", "function_call", "suffix")  # the legacy function calling too
+_COMPLETION_REFUSED = ("tools", "tool_choice")  # tools are chat's
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI completions API's default
+NO_AGENTS = AgentSettings()  # no tool-call or reasoning parser, auto tool choice off
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +69,7 @@ class GenerateRequest:
     # echo with logprobs), and with the prompt's and the completions' token ids.
     prompt_logprobs: bool = False
     return_token_ids: bool = False
+    output: OutputPlan | None = None  # chat: reasoning and tool calls read out of the text
 
 
 def loads(raw: bytes) -> dict[str, Any]:
@@ -126,18 +132,19 @@ def check_model(body: Mapping[str, Any], served: str, *, required: bool = False)
                        f"{served!r}", "model", "model_not_found")
 
 
-def _checked(body: Mapping[str, Any], model: type[BaseModel], served: str) -> Any:
+def _checked(body: Mapping[str, Any], model: type[BaseModel], served: str,
+             refused: tuple[str, ...] = ()) -> Any:
     """The body as `model`, after the checks whose answer is more than a 400 on a type:
     a model we do not serve (404) and the fields we refuse (named as unsupported)."""
     check_model(body, served)
-    for name in _REFUSED:
+    for name in _REFUSED + refused:
         if body.get(name) is not None:
             raise bad_request(name, f"{name} is not supported by this server", "unsupported")
     return validate(model, body)
 
 
 def completion(body: Mapping[str, Any], api: Protocol) -> GenerateRequest:
-    req = _checked(body, api.completion, api.served)
+    req = _checked(body, api.completion, api.served, _COMPLETION_REFUSED)
     prompt = req.prompt
     prompts: tuple[Prompt, ...] = (
         (prompt,) if isinstance(prompt, str)
@@ -161,11 +168,19 @@ def completion(body: Mapping[str, Any], api: Protocol) -> GenerateRequest:
 
 def chat(
     body: Mapping[str, Any], api: Protocol, tokenizer: Tokenizer, template: str | None,
-    now: Callable[[], float] = time.time,
+    now: Callable[[], float] = time.time, agents: AgentSettings = NO_AGENTS,
 ) -> GenerateRequest:
     req = _checked(body, api.chat, api.served)
-    text = chat_text(req.messages, req.add_generation_prompt, tokenizer, template, now)
+    _require_template(tokenizer, template)
+    _check_tool_messages(req.messages)
+    source = template or tokenizer.chat_template or ""
+    output, tools, tool_spec = plan_tools(req, agents, source,
+                                          tokenizer.template_reads("tools", template))
+    text = chat_text(req.messages, req.add_generation_prompt, tokenizer, template, now, tools)
     fields = _sampling_fields(req)
+    guided = constraint_with(tool_spec, fields.pop("guided", None), agents)
+    if guided is not None:
+        fields["guided"] = guided
     # max_completion_tokens replaced max_tokens in the chat API; the newer one wins.
     if req.max_completion_tokens is not None:
         fields["max_tokens"] = req.max_completion_tokens
@@ -185,24 +200,39 @@ def chat(
         raise from_param_error(exc) from None
     # As ids: the template wrote the special tokens it wants (a text prompt gets the
     # tokenizer's own, Tokenizer.encode_prompt)
-    return GenerateRequest((tokenizer.encode(text),), params, *stream, False, *_returns(req))
+    return GenerateRequest((tokenizer.encode(text),), params, *stream, False, *_returns(req),
+                           output=output)
 
 
-def chat_text(messages: Sequence[Message], add_generation_prompt: bool | None,
-              tokenizer: Tokenizer, template: str | None,
-              now: Callable[[], float] = time.time) -> str:
-    """`messages` rendered through the chat template (the server's, else the model's);
-    `now` is the clock a template's `strftime_now` reads (the app's injected one)."""
+def _require_template(tokenizer: Tokenizer, template: str | None) -> None:
     if template is None and tokenizer.chat_template is None:  # a base model (vLLM's 400 too)
         raise bad_request("messages", "this model has no chat template (a base model): use "
                                       "/v1/completions, or start the server with "
                                       "--chat-template")
+
+
+def _check_tool_messages(messages: Sequence[Message]) -> None:
+    """A tool result must say which call it answers (the template pairs them by id)."""
+    for i, m in enumerate(messages):
+        if m.role == "tool" and not m.tool_call_id:
+            raise bad_request(f"messages[{i}].tool_call_id", f"messages[{i}] has role tool "
+                              "but no tool_call_id: it must name the call it answers",
+                              "missing")
+
+
+def chat_text(messages: Sequence[Message], add_generation_prompt: bool | None,
+              tokenizer: Tokenizer, template: str | None,
+              now: Callable[[], float] = time.time,
+              tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+    """`messages` rendered through the chat template (the server's, else the model's);
+    `now` is the clock a template's `strftime_now` reads (the app's injected one)."""
+    _require_template(tokenizer, template)
     try:
         return tokenizer.apply_chat_template(
             [m.as_dict() for m in messages],
             add_generation_prompt=True if add_generation_prompt is None
             else add_generation_prompt,
-            chat_template=template, now=now,
+            chat_template=template, now=now, tools=tools,
         )
     except Exception as exc:  # jinja's TemplateError, or a template that raises on roles
         raise bad_request("messages", f"the chat template rejected the messages: {exc}") from None

@@ -29,6 +29,7 @@ from typing import Any
 from nanoserve.engine.request import Update
 from nanoserve.sampling.params import MAX_LOGPROBS
 from nanoserve.sampling.sampler import TokenLogprobs
+from nanoserve.server.tools.output import ChoiceOutput, OutputPlan
 from nanoserve.tokenizer import Tokenizer
 
 Json = dict[str, Any]
@@ -105,6 +106,7 @@ class Choice:
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    out: ChoiceOutput | None = None  # a chat choice's reasoning and tool calls, as streamed
 
     def add(self, u: Update) -> bool:
         """Fold one update in; True when it deserves a chunk (it has text or a finish)."""
@@ -140,23 +142,29 @@ class Shapes:
     num_top: int = MAX_LOGPROBS
     prompt_logprobs: bool = False  # vLLM's extras (module docstring)
     token_ids: bool = False
+    output: OutputPlan | None = None  # chat: reasoning and tool calls read out of the text
 
-    def chunk(self, c: Choice, text: str) -> Json:
-        """The chunk for one update of choice `c`, whose own text is `text`."""
-        lps, c.offset = self._logprobs(c.pending, c.offset)
-        c.pending = []
+    def chunk(self, c: Choice, text: str) -> Json | None:
+        """The chunk for one update of choice `c`, whose own text is `text`; None where
+        the reading of the text holds all of it back (a tool call's markup forming): the
+        update's logprobs then ride on the choice's next chunk."""
         first = not c.sent_any
-        c.sent_any = True
         if first:
             text = c.prefix + text
-        choice: Json
+        delta: Json | None = None
         if self.kind == "chat":
-            delta: Json = {"role": "assistant", "content": text} if first else (
-                {"content": text} if text else {})
+            delta = self._chat_delta(c, text, first)
+            if delta is None:
+                return None
+        lps, c.offset = self._logprobs(c.pending, c.offset)
+        c.pending = []
+        c.sent_any = True
+        choice: Json
+        if delta is not None:
             choice = {"index": c.index, "delta": delta, "logprobs": lps}
         else:
             choice = {"index": c.index, "text": text, "logprobs": lps}
-        choice["finish_reason"] = c.finish_reason if c.finished else None
+        choice["finish_reason"] = self._finish_reason(c) if c.finished else None
         choice["stop_reason"] = c.stop_reason if c.finished else None
         extras = self._extras(c, first)
         if self.token_ids:
@@ -168,6 +176,51 @@ class Shapes:
             extras["prompt_token_ids"] = None  # vLLM's: only the first chunk carries them
         choice.update(extras)
         return self._envelope("chunk", [choice])
+
+    def _chat_delta(self, c: Choice, text: str, first: bool) -> Json | None:
+        if self.output is None:
+            return {"role": "assistant", "content": text} if first else (
+                {"content": text} if text else {})
+        if c.out is None:
+            c.out = self.output.start(self.id, c.index)
+        d = c.out.feed(text)
+        if c.finished:
+            end = c.out.finish()
+            d.content, d.reasoning = d.content + end.content, d.reasoning + end.reasoning
+            d.tool_calls += end.tool_calls
+        if not d and not first and not c.finished:
+            return None
+        delta: Json = {"role": "assistant"} if first else {}
+        if d.content or (first and not d.reasoning and not d.tool_calls):
+            delta["content"] = d.content
+        if d.reasoning:
+            delta["reasoning_content"] = d.reasoning
+        if d.tool_calls:
+            delta["tool_calls"] = d.tool_calls
+        return delta
+
+    def _finish_reason(self, c: Choice) -> str | None:
+        """As OpenAI's: "tool_calls" where the model stopped after calling tools."""
+        if c.finish_reason == "stop" and c.out is not None and c.out.has_calls:
+            return "tool_calls"
+        return c.finish_reason
+
+    def _message(self, c: Choice, text: str) -> Json:
+        """A unary chat answer's message: the whole text read as the stream reads it."""
+        if self.output is None:
+            return {"role": "assistant", "content": text}
+        c.out = self.output.start(self.id, c.index)
+        c.out.feed(text)
+        c.out.finish()
+        content = "".join(c.out.content)
+        calls = c.out.calls()
+        msg: Json = {"role": "assistant", "content": content or (None if calls else "")}
+        if self.output.reasoning is not None:
+            msg["reasoning_content"] = "".join(c.out.reasoning) or None
+        if calls:
+            msg["tool_calls"] = [{"id": k.id, "type": "function", "function": {
+                "name": k.name, "arguments": k.arguments}} for k in calls]
+        return msg
 
     def _extras(self, c: Choice, first: bool) -> Json:
         """The prompt's logprobs and token ids, for a response or a first chunk."""
@@ -186,12 +239,10 @@ class Shapes:
         for c in choices:
             lps, _ = self._logprobs(c.logprobs, 0)
             text = c.prefix + "".join(c.text)
-            body: Json = (
-                {"message": {"role": "assistant", "content": text}}
-                if self.kind == "chat" else {"text": text}
-            )
+            body: Json = ({"message": self._message(c, text)} if self.kind == "chat"
+                          else {"text": text})
             choice = {"index": c.index, **body, "logprobs": lps,
-                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                      "finish_reason": self._finish_reason(c), "stop_reason": c.stop_reason}
             if self.token_ids:
                 choice["token_ids"] = list(c.token_ids)
             if self.kind != "chat":

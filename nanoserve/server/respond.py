@@ -8,8 +8,8 @@ becomes `data: {"error": {...}}` then `data: [DONE]`.
 
 One SSE frame goes out per update that has text or a finish, never merging queued updates,
 so a trace's `hangup_after_frames` counts the same frames in every replay. An update whose
-text is held back (a multi-byte character, a possible stop string) sends nothing; its
-token's logprobs ride on the next frame of that choice.
+text is held back (a multi-byte character, a possible stop string, a tool call's markup
+forming) sends nothing; its token's logprobs ride on the next frame of that choice.
 """
 
 from __future__ import annotations
@@ -156,8 +156,7 @@ async def _sse(
             assert not isinstance(item, Ended)
             k, u = item
             c = choices[k * job.n + u.index]
-            if c.add(u):
-                chunk = shapes.chunk(c, u.text)
+            if c.add(u) and (chunk := shapes.chunk(c, u.text)) is not None:
                 if usage.every_chunk:  # vLLM's: this choice's prompt and its tokens so far
                     chunk["usage"] = usage_of(len(c.prompt_ids), len(c.token_ids))
                 elif usage.at_end:

@@ -136,6 +136,10 @@ class ResponseRenderer:
         kind = "response.incomplete" if reason else "response.completed"
         return [*events, self._event(kind, response=self.final())]
 
+    def error(self, code: str | None, message: str, param: str | None) -> Event:
+        """The stream's `error` event: a failure after the status was sent."""
+        return self._event("error", code=code, message=message, param=param)
+
     def final(self) -> dict[str, Any]:
         """The whole Response object: call after `finish`."""
         if self._end is None:

@@ -95,6 +95,7 @@ class TraceRecorder:
         self._failed = False  # the finished trace could not be written (logged)
         self._bridge: AsyncEngine | None = None
         self._engine_header: dict[str, Any] = {}
+        self._server_header: dict[str, Any] = {}
         self._model = ""
         self._tokenizer: Any = None
         self._exchanges: list[Exchange] = []
@@ -115,6 +116,7 @@ class TraceRecorder:
         self._model = config.served_model_name
         self._tokenizer = engine.tokenizer
         self._engine_header = engine_header(engine, config.max_queue)
+        self._server_header = server_header(config)
         if self.redact:
             from sim.record.redact import Redactor
 
@@ -202,7 +204,8 @@ class TraceRecorder:
         sha = model_sha256(self.weights) if self.weights is not None else None
         if sha is not None:
             engine_settings["model_sha256"] = sha
-        return TraceHeader("step", self._model or "unknown", engine_settings, note)
+        return TraceHeader("step", self._model or "unknown", engine_settings, note,
+                           server=self._server_header)
 
     def build(self, engine: Engine) -> Trace:
         kept = [(key, ex) for ex in self._exchanges if (key := order(ex)) is not None]
@@ -264,3 +267,14 @@ def engine_header(engine: Engine, max_queue: int | None) -> dict[str, Any]:
     if isinstance(eos_prob, float):
         out["stub_eos_prob"] = eos_prob
     return out
+
+
+def server_header(config: ServerConfig) -> dict[str, Any]:
+    """The header's server settings: what changes how a chat answer reads (its template,
+    its tool-call and reasoning parsers), where they are not the defaults."""
+    a = config.agents
+    out: dict[str, Any] = {"chat_template": config.chat_template,
+                           "tool_call_parser": a.tool_call_parser,
+                           "enable_auto_tool_choice": a.enable_auto_tool_choice or None,
+                           "reasoning_parser": a.reasoning_parser}
+    return {k: v for k, v in out.items() if v is not None}

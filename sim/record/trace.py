@@ -195,7 +195,8 @@ def request_line(
         for i, c in sorted(req.completions.items()):
             index = k * n + i  # the response's choice index: prompt-major
             reason = c.finish_reason or wire.finish_reason(index) or "abort"
-            choices.append(ChoiceOutcome(reason, tuple(c.token_ids), wire.text(index)))
+            choices.append(ChoiceOutcome(reason, tuple(c.token_ids), wire.text(index),
+                                         wire.calls.of(index)))
     firsts = [r.first_step for r in ex.engine if r.first_step is not None]
     lasts = [r.last_step for r in ex.engine if r.last_step is not None]
     aborted = any(c.finish_reason == "abort" for r in ex.engine for c in r.completions.values())

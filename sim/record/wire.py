@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from sim.trace.expect import CallsRead
+
 
 @dataclass(slots=True)
 class Wire:
@@ -21,6 +23,7 @@ class Wire:
     error: str | None = None
     texts: dict[int, str] = field(default_factory=dict)
     reasons: dict[int, str] = field(default_factory=dict)
+    calls: CallsRead = field(default_factory=CallsRead)  # tool calls, per choice
 
     def text(self, index: int) -> str:
         return self.texts.get(index, "")
@@ -62,6 +65,7 @@ def _add(wire: Wire, choice: dict[str, Any], message: dict[str, Any]) -> None:
     if piece is None:
         piece = message.get("content")
     wire.texts[index] = wire.texts.get(index, "") + (piece or "")
+    wire.calls.add(choice, "delta" if "delta" in choice else "message")
     if choice.get("finish_reason") is not None:
         wire.reasons[index] = choice["finish_reason"]
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sim.http.asgi_client import DONE, Exchange
+from sim.trace.expect import CallsRead
 from sim.trace.format import EverySeconds, EverySteps, FramesByStep, TraceRequest
 
 
@@ -43,6 +44,7 @@ class Client:
     next_read: float = 0.0  # the step (or second) of the next paced read
     frames: int = 0  # data frames read, [DONE] not counted
     texts: dict[int, list[str]] = field(default_factory=lambda: defaultdict(list))
+    calls: CallsRead = field(default_factory=CallsRead)  # tool calls read, per choice
     wire_finish: dict[int, str] = field(default_factory=dict)
     error: str | None = None
     usage_tokens: int | None = None  # completion tokens the wire reported, if any
@@ -139,6 +141,7 @@ class Client:
             self.usage_tokens = obj["usage"].get("completion_tokens")
         for ch in obj.get("choices", []):
             self.texts[ch["index"]].append(_choice_text(ch, "delta"))
+            self.calls.add(ch, "delta")
             if ch.get("finish_reason") is not None:
                 self.wire_finish[ch["index"]] = ch["finish_reason"]
 
@@ -151,6 +154,7 @@ class Client:
             self.usage_tokens = obj["usage"].get("completion_tokens")
         for ch in obj["choices"]:
             self.texts[ch["index"]].append(_choice_text(ch, "message"))
+            self.calls.add(ch, "message")
             if ch.get("finish_reason") is not None:
                 self.wire_finish[ch["index"]] = ch["finish_reason"]
 

@@ -37,7 +37,8 @@ import trio.testing
 
 from nanoserve.bridge import AsyncEngine
 from nanoserve.engine.outputs import StepResult
-from nanoserve.server import ServerConfig, create_app, server_state
+from nanoserve.server import ServerConfig, checks, create_app, server_state
+from nanoserve.server.config import AgentSettings
 from sim.http.asgi_client import AsgiClient, serve_in_process
 from sim.replay.clients import Client
 from sim.replay.clock import ReplayClock
@@ -81,8 +82,13 @@ class Driver:
         self.death_expected = kills_loop(faults)
         self.engine = inject(weights.model, weights.tokenizer, faults,
                              engine_config(h, weights))
+        s = h.server
         config = ServerConfig(h.model, max_queue=h.engine.get("max_queue"),
-                              body_timeout=h.body_timeout)
+                              body_timeout=h.body_timeout,
+                              chat_template=checks.chat_template(s.get("chat_template")),
+                              agents=AgentSettings(s.get("tool_call_parser"),
+                                                   s.get("enable_auto_tool_choice", False),
+                                                   s.get("reasoning_parser")))
         self.app = create_app(self.engine, config, clock=self.clock, id_source=self._next_id,
                               time_source=lambda: 0.0)
         self.clients = [Client(i, r) for i, r in enumerate(trace.requests)]
@@ -220,7 +226,8 @@ class Driver:
         hung = c.hangup_step is not None
         choices = tuple(
             ChoiceOutcome(p.finish.get(i) or c.wire_finish.get(i) or ("abort" if hung else None),
-                          tuple(p.tokens.get(i, ())), "".join(c.texts.get(i, ())))
+                          tuple(p.tokens.get(i, ())), "".join(c.texts.get(i, ())),
+                          c.calls.of(i))
             for i in range(count)
         )
         aborted = hung and any(i not in p.finish for i in range(count))

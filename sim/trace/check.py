@@ -163,6 +163,34 @@ def check_faults(faults: object) -> tuple[dict[str, Any], ...]:
     return tuple(faults)
 
 
+# The server settings a trace's header may carry, and the values each takes (None: any
+# string). What `serve` was started with that changes how an answer reads.
+SERVER_KEYS: dict[str, tuple[str, ...] | None] = {
+    "chat_template": None,
+    "tool_call_parser": ("hermes", "llama3_json", "mistral", "pythonic"),
+    "enable_auto_tool_choice": (),
+    "reasoning_parser": ("deepseek_r1", "qwen3"),
+}
+
+
+def check_server(value: object) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise FieldError("server", f"must be an object, got {value!r:.80}")
+    for key, v in value.items():
+        if key not in SERVER_KEYS:
+            raise FieldError(f"server.{key}", f"unknown (known: {', '.join(SERVER_KEYS)})")
+        allowed = SERVER_KEYS[key]
+        if allowed == ():
+            if not isinstance(v, bool):
+                raise FieldError(f"server.{key}", f"must be true or false, got {v!r:.80}")
+        elif not isinstance(v, str) or (allowed is not None and v not in allowed):
+            want = "a string" if allowed is None else " or ".join(allowed)
+            raise FieldError(f"server.{key}", f"must be {want}, got {v!r:.80}")
+    return dict(value)
+
+
 def check_body_timeout(value: object) -> float | None:
     if value is None:
         return None

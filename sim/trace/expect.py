@@ -11,7 +11,8 @@ Expectation fields of a request (the format's own, plus additive ones):
 - `status` (absent when the client hung up before the status line), `error` (the error code
   of a 4xx/5xx body or of a stream's error frame, absent when none),
 - with one choice (n = 1 and one prompt, or no choice at all for an error): `finish_reason`,
-  `completion_tokens`, `token_ids`, `text` at the top level;
+  `completion_tokens`, `token_ids`, `text` at the top level, and `tool_calls` (a list of
+  `[name, arguments]`) where the client read any;
 - with several choices (n > 1, or a list of prompts, in the response's `index` order, which
   is prompt-major): `completion_tokens` is their total (what `usage` reports) and `choices`
   is a list of `{"finish_reason", "completion_tokens", "token_ids", "text"}`;
@@ -44,7 +45,8 @@ from typing import Any
 from sim.trace.format import Expectation
 
 __all__ = [
-    "ChoiceOutcome", "EndOutcome", "Outcome", "RequestOutcome", "compare", "diff_value",
+    "CallsRead", "ChoiceOutcome", "EndOutcome", "Outcome", "RequestOutcome", "compare",
+    "diff_value",
     "expectation_lines",
 ]  # fmt: skip
 
@@ -54,10 +56,41 @@ class ChoiceOutcome:
     finish_reason: str | None
     token_ids: tuple[int, ...]
     text: str
+    # (name, arguments) of each tool call the client read, in order; written only when
+    # there are some, so a trace without tools keeps its lines and digest
+    tool_calls: tuple[tuple[str, str], ...] = ()
 
     def fields(self) -> dict[str, Any]:
-        return {"finish_reason": self.finish_reason, "completion_tokens": len(self.token_ids),
-                "token_ids": list(self.token_ids), "text": self.text}
+        out: dict[str, Any] = {
+            "finish_reason": self.finish_reason, "completion_tokens": len(self.token_ids),
+            "token_ids": list(self.token_ids), "text": self.text}
+        if self.tool_calls:
+            out["tool_calls"] = [list(c) for c in self.tool_calls]
+        return out
+
+
+class CallsRead:
+    """The tool calls of each choice as a client reads them: a unary message's
+    `tool_calls`, or a stream's `delta.tool_calls` pieces joined by index."""
+
+    def __init__(self) -> None:
+        self._calls: dict[int, dict[int, list[str]]] = {}
+
+    def add(self, choice: Mapping[str, Any], holder: str) -> None:
+        part = choice.get(holder)
+        calls = part.get("tool_calls") if isinstance(part, Mapping) else None
+        for k, call in enumerate(calls if isinstance(calls, list) else []):
+            if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
+                continue
+            fn = call["function"]
+            slot = self._calls.setdefault(choice.get("index", 0), {}).setdefault(
+                call.get("index", k), ["", ""])
+            slot[0] += str(fn.get("name") or "")
+            slot[1] += str(fn.get("arguments") or "")
+
+    def of(self, index: int) -> tuple[tuple[str, str], ...]:
+        calls = self._calls.get(index, {})
+        return tuple((c[0], c[1]) for _, c in sorted(calls.items()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +222,7 @@ _ABSENT_MEANS_NONE = ("error", "hangup_step", "loop_failed")
 
 
 _KNOWN = {"status", "error", "finish_reason", "completion_tokens", "token_ids", "text",
+          "tool_calls",
           "first_token_step", "last_step", "frames", "aborted", "hangup_step", "steps",
           "free_blocks", "peak_used_blocks", "preemptions", "num_blocks", "loop_failed"}
 

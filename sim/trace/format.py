@@ -106,6 +106,9 @@ class TraceHeader:
     extra: dict[str, Any] = field(default_factory=dict)
     faults: tuple[dict[str, Any], ...] = ()  # injected by the replay (sim/replay/faults.py)
     body_timeout: float | None = None  # the server's body timeout, seconds; None: none
+    # The server's reading of chat answers (check.SERVER_KEYS): chat_template (a template or
+    # a built-in's name), tool_call_parser, enable_auto_tool_choice, reasoning_parser
+    server: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,7 @@ from sim.trace.check import (
     check_engine,
     check_expectation,
     check_faults,
+    check_server,
     check_str,
     check_time,
     lenient_object,
@@ -59,7 +60,7 @@ class TraceError(ValueError):
 
 
 _HEADER_KEYS = ("nanoserve_trace", "clock", "model", "engine", "note", "cost_model", "faults",
-                "body_timeout")
+                "body_timeout", "server")
 _REQUEST_KEYS = ("id", "at_step", "at_s", "path", "body", "body_base64", "client")
 _CLIENT_KEYS = ("read", "hangup_after_frames", "hangup_at_step", "send_body_bytes", "then")
 
@@ -173,7 +174,7 @@ def _header(obj: dict[str, Any]) -> TraceHeader:
     faults = check_faults(obj.get("faults"))
     body_timeout = check_body_timeout(obj.get("body_timeout"))
     return TraceHeader(clock, model, engine, note, cost_model, _extra(obj, _HEADER_KEYS),
-                       faults, body_timeout)
+                       faults, body_timeout, check_server(obj.get("server")))
 
 
 def _request(obj: dict[str, Any], header: TraceHeader, first_line: dict[str, int],

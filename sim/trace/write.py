@@ -44,6 +44,7 @@ def header_object(h: TraceHeader) -> dict[str, Any]:
     _put(head, "cost_model", h.cost_model)
     _put(head, "faults", list(h.faults) or None)
     _put(head, "body_timeout", h.body_timeout)
+    _put(head, "server", h.server or None)
     return {**head, **h.extra}
 
 

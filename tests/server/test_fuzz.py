@@ -81,17 +81,27 @@ completion = st.builds(
                                "logprobs": st.integers(0, 5), "min_tokens": st.integers(0, 4)}),
     _stream_fields(), st.integers(1, 6))
 part = st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=8)})
+# A tool message names the call it answers (without tool_call_id it is a 400).
 message = st.fixed_dictionaries({
     "role": st.sampled_from(["user", "assistant", "system", "tool", "developer", "x\x00"]),
-    "content": st.one_of(st.none(), st.text(max_size=16), st.lists(part, max_size=2))})
+    "content": st.one_of(st.none(), st.text(max_size=16), st.lists(part, max_size=2))}).map(
+    lambda m: {**m, "tool_call_id": "call_1"} if m["role"] == "tool" else m)
+# Tools with tool_choice none (the stub's SmolLM2 template renders no tools, which "auto"
+# and "required" would need): the fields are read and checked, the answer is text.
+tool = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries({
+    "name": st.from_regex(r"[a-z_]{1,12}", fullmatch=True),
+    "parameters": st.just({"type": "object", "properties": {"x": {"type": "string"}}})})})
+tools = st.one_of(st.just({}), st.builds(
+    lambda ts, p: {"tools": ts, "tool_choice": "none", "parallel_tool_calls": p},
+    st.lists(tool, min_size=1, max_size=2), st.booleans()))
 chat = st.builds(
-    lambda b, s, mt, lp: {**b, **s, "max_completion_tokens": mt, **lp},
+    lambda b, s, mt, lp, t: {**b, **s, "max_completion_tokens": mt, **lp, **t},
     _with({"messages": st.lists(message, min_size=1, max_size=3)},
           {**SAMPLING, "stop": stop, "add_generation_prompt": st.booleans(),
            "response_format": st.just({"type": "text"})}),
     _stream_fields(), st.integers(1, 6),
     st.one_of(st.just({}), st.builds(lambda k: {"logprobs": True, "top_logprobs": k},
-                                     st.integers(0, 5))))
+                                     st.integers(0, 5))), tools)
 tokenize = st.one_of(
     _with({"prompt": st.text(max_size=16)},
           {"add_special_tokens": st.booleans(), "return_token_strs": st.booleans()}),

@@ -78,7 +78,7 @@ async def test_n_at_and_over_max_n() -> None:
 async def test_every_route_and_method_but_health_needs_the_key() -> None:
     app = make_app(api_key=SECRET)
     rules = [(r.rule, sorted(r.methods)) for r in app.url_map.iter_rules()]
-    assert len(rules) == 10  # /server_info and /tokenizer_info among them
+    assert len(rules) == 11  # /server_info, /tokenizer_info and /v1/responses among them
     probes = [(path, m) for path, methods in rules for m in {*methods, "DELETE"}]
     probes += [("/nowhere", "GET"), ("/v1", "POST"), ("/health/", "GET")]
     good = {"authorization": f"Bearer {SECRET}"}

@@ -54,9 +54,10 @@ async def assert_serving(h: AsgiHarness) -> None:
 
 
 @asynccontextmanager
-async def live(engine: Engine, clock: Any = None, name: str = "stub") -> AsyncIterator[Any]:
-    """Serve on a free loopback port; yield (base URL, app)."""
-    app = create_app(engine, ServerConfig(name), clock=clock or LiveClock(),
+async def live(engine: Engine, clock: Any = None, name: str = "stub", **cfg: Any
+               ) -> AsyncIterator[Any]:
+    """Serve on a free loopback port; yield (base URL, app). `cfg`: ServerConfig's fields."""
+    app = create_app(engine, ServerConfig(name, **cfg), clock=clock or LiveClock(),
                      id_source=counter_ids(), time_source=lambda: 1_700_000_000.0)
     async with hypercorn_on_loopback(app) as url:
         yield url, app

@@ -1,0 +1,102 @@
+"""A chat request's tools, read: what the template is given, what the sampler enforces,
+and how the output is read back (an OutputPlan).
+
+The rules are the OpenAI API's, with vLLM's server flags:
+- `tools` without `tool_choice` means "auto"; `tool_choice` other than "none" without
+  `tools` is a 400, as is a named function that is not among them.
+- "auto" needs `--enable-auto-tool-choice` (vLLM's rule: the server must know how to read
+  its model's calls) and a parser: `--tool-call-parser`, else hermes where the template is
+  ChatML (Qwen2.5, Qwen3, Hermes and SmolLM2 all write `<|im_start|>`).
+- "required" and a named function are enforced by the grammar engine (constrained.py),
+  after the thinking where the server has a reasoning parser.
+- A template that never reads `tools` cannot show the model its functions: a 400 naming
+  `tools` (not a silent drop), pointing at `--chat-template chatml-tools`.
+- Each function's `parameters` must be a valid JSON schema (Draft 2020-12's metaschema).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jsonschema
+
+from nanoserve.sampling.grammar import GuidedSpec
+from nanoserve.server.config import AgentSettings
+from nanoserve.server.errors import bad_request
+from nanoserve.server.tools.constrained import after_reasoning, named_spec, required_spec
+from nanoserve.server.tools.output import OutputPlan
+
+CHATML = "<|im_start|>"
+
+
+def plan_tools(req: Any, agents: AgentSettings, template: str, template_reads_tools: bool
+               ) -> tuple[OutputPlan | None, list[dict[str, Any]] | None, GuidedSpec | None]:
+    """(how the output is read, the tools the template renders, the constraint they add);
+    (None, None, None) where the request has no tools and the server no reasoning parser."""
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+    for i, t in enumerate(tools):
+        _check_schema(t["function"].get("parameters"), f"tools[{i}].function.parameters")
+    choice = req.tool_choice
+    mode, name = _mode(choice, tools)
+    if not tools and agents.reasoning_parser is None:
+        return None, None, None
+    parser = None
+    if mode == "auto":
+        parser = agents.tool_call_parser or ("hermes" if CHATML in template else None)
+        if not agents.enable_auto_tool_choice or parser is None:
+            raise bad_request("tool_choice", '"auto" tool choice requires the server to be '
+                              "started with --enable-auto-tool-choice"
+                              + ("" if parser else " and --tool-call-parser"))
+    if tools and mode != "none" and not template_reads_tools:
+        raise bad_request("tools", "this model's chat template does not render tools; start "
+                          "the server with --chat-template chatml-tools (or a template that "
+                          "reads `tools`)")
+    spec = None
+    if mode == "named":
+        spec = named_spec(next(t for t in tools if t["function"]["name"] == name))
+    elif mode == "required":
+        spec = required_spec(tools, req.parallel_tool_calls is not False)
+    if spec is not None and agents.reasoning_parser is not None:
+        spec = after_reasoning(spec, agents.reasoning_parser == "deepseek_r1")
+    plan = OutputPlan(mode, parser, name, agents.reasoning_parser)
+    return plan, tools or None, spec
+
+
+def _mode(choice: Any, tools: Sequence[dict[str, Any]]) -> tuple[str, str | None]:
+    """The effective tool_choice: "none", "auto", "required" or "named" (with the name)."""
+    if choice is None:
+        return ("auto" if tools else "none"), None
+    if isinstance(choice, str):
+        if choice != "none" and not tools:
+            raise bad_request("tool_choice", f'tool_choice "{choice}" needs tools')
+        return choice, None
+    name = choice.function.name
+    names = [t["function"]["name"] for t in tools]
+    if name not in names:
+        raise bad_request("tool_choice", f"tool_choice names the function {name!r}, which is "
+                          f"not among tools ({', '.join(names) or 'none given'})")
+    return "named", name
+
+
+def _check_schema(schema: Any, field: str) -> None:
+    if schema is None:
+        return
+    try:
+        jsonschema.Draft202012Validator.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path)
+        raise bad_request(field, f"{field} is not a valid JSON schema"
+                          f"{f' at {where}' if where else ''}: {exc.message}") from None
+
+
+def constraint_with(spec: GuidedSpec | None, other: GuidedSpec | None, agents: AgentSettings
+                    ) -> GuidedSpec | None:
+    """The request's one constraint: the tools' or the response format's (both is a 400),
+    the latter also only after the thinking under a reasoning parser."""
+    if spec is not None and other is not None:
+        raise bad_request(other.field, f"{other.field} cannot be combined with tool_choice "
+                          "required or a named function (one constraint per request)")
+    if other is not None and agents.reasoning_parser is not None:
+        return after_reasoning(other, agents.reasoning_parser == "deepseek_r1")
+    return spec or other
