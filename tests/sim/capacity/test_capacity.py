@@ -23,6 +23,8 @@ from sim.load.spec import parse_load_spec
 from sim.load.workload import Workload, spec_workload
 from sim.stats import percentile_or_none
 
+ROOT = Path(__file__).resolve().parents[3]
+
 COST = CostModel((0.01, 1e-4, 5e-4, 2e-3, 2e-6, 1e-8, 0.0, 0.0), name="synthetic-test",
                  model="stub", machine={"cpu": "test"}, kv_bytes_per_token=46080)
 ENGINE = EngineConfig(num_blocks=512, max_model_len=2048, max_num_seqs=16,
@@ -159,3 +161,20 @@ def test_cli_writes_json_csv_and_plots(tok: Tokenizer, tmp_path: Path,
         assert Path(f"{out}.{suffix}").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["capacity", "--cost", str(cost)]) == 2  # neither a trace nor --load
     assert "give a TRACE or --load" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3-270m"])
+def test_each_embedded_models_committed_cost_model_plans(
+        name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """sim/costs/ holds a cost model per embedded model, measured by `sim profile`; each
+    loads, says whose it is, and plans a small load with that model's tokenizer and KV
+    size (Gemma's pool is sized from its own bytes per token)."""
+    path = ROOT / "sim" / "costs" / f"{name}-cpu.json"
+    d = json.loads(path.read_text())
+    assert d["model"] == name
+    assert d["fit"]["held_out_mean_rel_error"] < 0.05
+    code = main(["capacity", "--load", "n=20,prompt=uniform:16:64,output=uniform:4:16",
+                 "--cost", str(path), "--tokenizer", name, "--sweep", "rate=2",
+                 "--out", str(tmp_path / "cap"), "--quiet"])
+    assert code == 0
+    assert f"cost model: {name}-cpu.json ({name} on" in capsys.readouterr().out

@@ -1,0 +1,94 @@
+"""`tool_choice` "required" and a named function on SmolLM2's real weights (its GGUF's
+blocks, as `serve` runs them), sampled at
+temperature 0.8, through the official client on a real socket: 50 requests over 5 tools
+with nested, enum and array parameters, and every argument string valid under its
+function's schema (jsonschema). SmolLM2-135M was not trained on tools: validity here is
+the grammar engine's, which is the point of enforcing them."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+import trio
+from support.server_harness import live
+
+from nanoserve.config import EngineConfig
+from nanoserve.engine.engine import Engine
+from nanoserve.server import checks
+from nanoserve.tokenizer import Tokenizer
+
+NAME = {"type": "string", "minLength": 1, "maxLength": 16}
+
+
+def fn(name: str, props: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": props, "required": required,
+        "additionalProperties": False}}}
+
+
+TOOLS = [
+    fn("get_weather", {"city": NAME, "unit": {"enum": ["celsius", "fahrenheit"]}},
+       ["city", "unit"]),
+    fn("book_table", {"guest": {"type": "object", "properties": {
+        "name": NAME, "party": {"type": "integer", "minimum": 1, "maximum": 12}},
+        "required": ["name", "party"], "additionalProperties": False},
+        "time": {"type": "string", "pattern": "^[0-2][0-9]:[0-5][0-9]$"}}, ["guest", "time"]),
+    fn("tag_photos", {"tags": {"type": "array", "items": NAME, "minItems": 1, "maxItems": 3}},
+       ["tags"]),
+    fn("convert", {"amount": {"type": "number", "minimum": 0, "maximum": 1e6},
+                   "to": {"enum": ["EUR", "USD", "JPY"]}}, ["amount", "to"]),
+    fn("set_alarm", {"hour": {"type": "integer", "minimum": 0, "maximum": 23},
+                     "repeat": {"type": "boolean"},
+                     "days": {"type": "array", "items": {"enum": ["mon", "tue", "wed"]},
+                              "maxItems": 3}}, ["hour", "repeat"]),
+]
+ASKS = ["What's the weather in Lyon?", "A table for four at eight, please.",
+        "Tag my beach photos.", "How much is 120 dollars in yen?", "Wake me at six."]
+
+
+@pytest.mark.real
+async def test_required_and_named_calls_validate_at_temperature(
+        smollm2_quantized: Any, smollm2_tokenizer: Tokenizer) -> None:
+    engine = Engine(smollm2_quantized, smollm2_tokenizer,
+                    EngineConfig(block_size=16, num_blocks=512, max_model_len=2048))
+    template = checks.chat_template("chatml-tools")
+    async with live(engine, name="smollm2", chat_template=template) as (url, _):
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
+                           timeout=300) as cl:
+            results: list[tuple[int, Any]] = []
+            # The clients' own threads: trio's default limiter is also the one the engine's
+            # steps take a thread from, and 40 blocked clients would starve it.
+            clients = trio.CapacityLimiter(16)
+
+            async def one(i: int) -> None:
+                k = i % 5
+                choice: Any = ("required" if i < 25 else
+                               {"type": "function", "function": {"name": TOOLS[k][
+                                   "function"]["name"]}})
+                resp = await trio.to_thread.run_sync(lambda: cl.chat.completions.create(
+                    model="smollm2", messages=[{"role": "user", "content": ASKS[k]}],
+                    tools=TOOLS, tool_choice=choice, parallel_tool_calls=False,
+                    temperature=0.8, seed=i, max_tokens=120), limiter=clients)
+                results.append((i, resp.choices[0]))
+
+            async with trio.open_nursery() as n:
+                for i in range(50):
+                    n.start_soon(one, i)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    valid = 0
+    for i, choice in sorted(results, key=lambda r: r[0]):
+        calls = choice.message.tool_calls or []
+        assert len(calls) == 1, (i, choice)
+        assert choice.finish_reason == "tool_calls", (i, choice)
+        if i >= 25:
+            assert calls[0].function.name == TOOLS[i % 5]["function"]["name"]
+        jsonschema.validate(json.loads(calls[0].function.arguments),
+                            schemas[calls[0].function.name])
+        valid += 1
+    assert valid == 50
+    s = engine.statistics()
+    assert s.free_blocks == s.num_blocks
