@@ -38,11 +38,12 @@ PROMPT = "def step(self):"
 
 @asynccontextmanager
 async def recorded(engine: Engine, clock: Clock, path: Path, name: str = "stub",
+                   config: ServerConfig | None = None,
                    **kw: Any) -> AsyncIterator[tuple[str, AsyncEngine, TraceRecorder]]:
     """A recording server on a free loopback port; yields (host:port, bridge, recorder). The
     trace is written when the block ends and the server has shut down."""
     rec = TraceRecorder(path, **kw)
-    app = create_app(engine, ServerConfig(name), clock=clock, id_source=counter_ids(),
+    app = create_app(engine, config or ServerConfig(name), clock=clock, id_source=counter_ids(),
                      time_source=lambda: 1_700_000_000.0, recorder=rec)
     async with hypercorn_on_loopback(app) as url:
         ready = server_state(app).ready
@@ -412,6 +413,35 @@ async def test_refusals_several_prompts_and_n_replay_clean(tmp_path: Path) -> No
                 texts[c["index"]] = texts.get(c["index"], "") + c["text"]
     assert [c["text"] for c in e["r1"]["choices"]] == [texts[i] for i in range(4)]
     assert e["r4"]["text"] == chat.json()["choices"][0]["message"]["content"]
+    result = await replay_in_thread(path)
+    assert result.mismatches == ()
+
+
+async def test_tool_requests_are_recorded_with_the_servers_settings(tmp_path: Path) -> None:
+    """serve --record with --chat-template chatml-tools --enable-auto-tool-choice: the
+    header keeps those settings, each request's tool calls are its expectation, and the
+    trace replays clean (on a server the replay sets up from the header alone)."""
+    from nanoserve.server import checks
+    from nanoserve.server.config import AgentSettings
+
+    config = ServerConfig("stub", chat_template=checks.chat_template("chatml-tools"),
+                          agents=AgentSettings(enable_auto_tool_choice=True))
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    path = tmp_path / "tools.jsonl"
+    async with recorded(make_engine(), LiveClock(), path, config=config) as (addr, _, _):
+        for stream in (True, False):
+            r = await Raw.post(addr, {"model": "stub", "max_tokens": 40, "temperature": 0,
+                                      "stream": stream, "tools": tools, "messages": [
+                                          {"role": "user", "content": f"⟪say⟫{call}⟪/say⟫"}]},
+                               path="/v1/chat/completions")
+            await r.read_all()
+    trace = load_trace(path)
+    assert trace.header.server == {"chat_template": config.chat_template,
+                                   "enable_auto_tool_choice": True}
+    assert [e["tool_calls"] for e in lines(trace).values() if "tool_calls" in e] == [
+        [["get_weather", '{"city": "Oslo"}']]] * 2
     result = await replay_in_thread(path)
     assert result.mismatches == ()
 
