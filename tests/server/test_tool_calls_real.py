@@ -92,3 +92,49 @@ async def test_required_and_named_calls_validate_at_temperature(
     assert valid == 50
     s = engine.statistics()
     assert s.free_blocks == s.num_blocks
+
+
+@pytest.mark.real
+async def test_the_responses_api_on_smollm2(smollm2_quantized: Any,
+                                            smollm2_tokenizer: Tokenizer) -> None:
+    """`responses.create` and `responses.stream` with text, a json_schema `text.format`
+    and a function tool (required), greedy: the stream's final response is the unary one."""
+    engine = Engine(smollm2_quantized, smollm2_tokenizer,
+                    EngineConfig(block_size=16, num_blocks=256, max_model_len=2048))
+    template = checks.chat_template("chatml-tools")
+    weather = {"type": "function", **TOOLS[0]["function"]}
+    city = {"type": "json_schema", "name": "city", "schema": TOOLS[0]["function"][
+        "parameters"]}
+    cases: list[dict[str, Any]] = [
+        {"input": "What is the capital of France?", "instructions": "Answer in one line."},
+        {"input": "A city and a unit, as JSON.", "text": {"format": city}},
+        {"input": "Weather in Lyon?", "tools": [weather], "tool_choice": "required"},
+    ]
+    async with live(engine, name="smollm2", chat_template=template) as (url, _):
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
+                           timeout=300) as cl:
+            for case in cases:
+                kw = {"model": "smollm2", "temperature": 0, "max_output_tokens": 60, **case}
+                unary = await trio.to_thread.run_sync(lambda: cl.responses.create(**kw))
+
+                def stream() -> Any:
+                    with cl.responses.stream(**kw) as s:  # noqa: B023
+                        types = [e.type for e in s]
+                        assert types[:2] == ["response.created", "response.in_progress"]
+                        assert types[-1] == "response.completed"
+                        return s.get_final_response()
+
+                final = await trio.to_thread.run_sync(stream)
+                assert unary.status == final.status == "completed", unary
+                assert unary.output_text == final.output_text
+                if "text" in case:
+                    jsonschema.validate(json.loads(unary.output_text), city["schema"])
+                if "tools" in case:
+                    calls = [i for i in unary.output if i.type == "function_call"]
+                    assert [c.name for c in calls] == ["get_weather"]
+                    jsonschema.validate(json.loads(calls[0].arguments), city["schema"])
+                    assert [(c.name, c.arguments) for c in final.output
+                            if c.type == "function_call"] == [
+                        (c.name, c.arguments) for c in calls]
+                else:
+                    assert unary.output_text
