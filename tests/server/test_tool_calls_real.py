@@ -115,10 +115,11 @@ async def test_the_responses_api_on_smollm2(smollm2_quantized: Any,
                            timeout=300) as cl:
             for case in cases:
                 kw = {"model": "smollm2", "temperature": 0, "max_output_tokens": 60, **case}
-                unary = await trio.to_thread.run_sync(lambda: cl.responses.create(**kw))
+                unary = await trio.to_thread.run_sync(
+                    lambda kw=kw: cl.responses.create(**kw))
 
-                def stream() -> Any:
-                    with cl.responses.stream(**kw) as s:  # noqa: B023
+                def stream(kw: dict[str, Any] = kw) -> Any:
+                    with cl.responses.stream(**kw) as s:
                         types = [e.type for e in s]
                         assert types[:2] == ["response.created", "response.in_progress"]
                         assert types[-1] == "response.completed"
