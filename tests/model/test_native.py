@@ -64,6 +64,50 @@ def test_silu_mul_matches_stock_over_a_wide_range(inter: int, k: Kernels) -> Non
     assert float(((got - want).abs() / (want.abs() + 1e-6)).max()) < 1e-5
 
 
+@pytest.mark.parametrize("inter", [100, 2048])
+def test_gelu_tanh_mul_matches_stock_over_a_wide_range(inter: int, k: Kernels) -> None:
+    """Gemma's GeGLU gate against the float64 truth: within 2e-5 relative wherever the
+    value is a normal float, the far negative tail included, where F.gelu's float32
+    1 + tanh(y) cancels (off by more than 0.1% there) and the kernel's 2 e / (1 + e)
+    does not."""
+    torch.manual_seed(2)
+    gate_up = torch.randn(5, 2 * inter) * 6
+    gate_up[0, :8] = torch.tensor([0.0, -0.0, 90.0, -90.0, 1e-30, -200.0, -5.5, 3.2])
+    got = ops.gate_mul(gate_up, gelu=True, native=k).double()
+    stock = ops.gate_mul(gate_up, gelu=True, native=None).double()
+    # The truth in float64, by the form that does not cancel (float64's 1 + tanh(y) is 0
+    # from y = -19 on, where the value is only tiny)
+    x, up = gate_up.double()[:, :inter], gate_up.double()[:, inter:]
+    y = (2 / torch.pi) ** 0.5 * (x + 0.044715 * x**3)
+    e = torch.exp(-2 * y.abs())
+    truth = 0.5 * x * torch.where(y < 0, 2 * e, 2.0) / (1 + e) * up
+    normal = truth.abs() > 1e-30
+
+    def worst(t: torch.Tensor) -> float:
+        return float(((t - truth).abs() / truth.abs())[normal].max())
+
+    assert worst(got) < 2e-5
+    assert worst(stock) > 1e-3
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 1, 256), (9, 3, 72)])
+def test_norm_qk_heads_matches_stock_and_leaves_v(heads: int, kv_heads: int, dim: int,
+                                                 k: Kernels) -> None:
+    """Qwen3's and Gemma 3's per-head q and k norms, in place over the fused qkv output
+    (strided rows: a projection's column slice), v untouched bit for bit."""
+    torch.manual_seed(3)
+    wide = torch.randn(6, (heads + 2 * kv_heads) * dim + 5) * 3
+    qn, kn = torch.randn(dim), torch.randn(dim)
+    native, stock = wide.clone(), wide.clone()
+    shape = (heads, kv_heads, dim)
+    cols = slice(0, (heads + 2 * kv_heads) * dim)
+    ops.norm_qk_heads(native[:, cols], shape, qn, kn, 1e-6, native=k)
+    ops.norm_qk_heads(stock[:, cols], shape, qn, kn, 1e-6, native=None)
+    _close(native, stock)
+    v = slice((heads + kv_heads) * dim, None)
+    assert torch.equal(native[:, v], wide[:, v])
+
+
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 2, 16), (9, 3, 64), (8, 2, 128)])
 def test_rope_store_matches_stock_and_writes_only_its_slots(
     heads: int, kv_heads: int, dim: int, k: Kernels

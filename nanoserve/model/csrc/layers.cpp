@@ -197,11 +197,10 @@ void norm_qk_heads(const at::Tensor& qkv, const at::Tensor& q_norm, const at::Te
   });
 }
 
-// out = gelu(gate) * up with gelu's tanh approximation (Gemma's GeGLU):
-// gelu(x) = x / 2 (1 + tanh(y)), y = sqrt(2 / pi) (x + 0.044715 x^3). With e = e^-2|y| in
-// (0, 1], 1 + tanh(y) is 2 / (1 + e) for y >= 0 and 2 e / (1 + e) below: no overflow, and
-// no cancellation where tanh(y) nears -1 (the tail that 1 + tanh would round to zero).
-void gelu_tanh_mul(const at::Tensor& gate_up, const at::Tensor& out) {
+// out = act(gate) * up for gate_up [T, 2 I] holding gate then up: `vec` is the activation
+// kLanes at a time, `one` the same for the tail.
+template <class Vec, class One>
+void gate_rows(const at::Tensor& gate_up, const at::Tensor& out, Vec vec, One one) {
   const int64_t rows = gate_up.size(0), inter = out.size(1);
   check_rows(gate_up, 2 * inter, "gate_up");
   check_rows(out, inter, "out");
@@ -209,53 +208,47 @@ void gelu_tanh_mul(const at::Tensor& gate_up, const at::Tensor& out) {
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t gs = gate_up.stride(0), os = out.stride(0);
-  constexpr float kSqrt2OverPi = 0.7978845608028654f, kCubic = 0.044715f;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* g = gp + t * gs;
       float* o = op + t * os;
       int64_t i = 0;
-      for (; i + kLanes <= inter; i += kLanes) {
-        const vfloat x = load(g + i);
-        const vfloat y = kSqrt2OverPi * (x + kCubic * (x * x * x));
-        const vfloat ay = y < 0.0f ? -y : y;
-        const vfloat e = exp_nonpositive(-2.0f * ay);
-        const vfloat one_plus = (y < 0.0f ? 2.0f * e : vfloat{} + 2.0f) / (1.0f + e);
-        store(o + i, 0.5f * x * one_plus * load(g + inter + i));
-      }
-      for (; i < inter; ++i) {
-        const float x = g[i], y = kSqrt2OverPi * (x + kCubic * (x * x * x));
-        o[i] = 0.5f * x * (1.0f + std::tanh(y)) * g[inter + i];
-      }
+      for (; i + kLanes <= inter; i += kLanes) store(o + i, vec(load(g + i)) * load(g + inter + i));
+      for (; i < inter; ++i) o[i] = one(g[i]) * g[inter + i];
     }
   });
 }
 
-// out = silu(gate) * up, gate_up [T, 2 I] holding gate then up. silu(x) = x / (1 + e^-x),
-// from e^-|x| so that the exponential never overflows.
+// Gemma's GeGLU: gelu's tanh approximation, gelu(x) = x / 2 (1 + tanh(y)) with
+// y = sqrt(2 / pi) (x + 0.044715 x^3). With e = e^-2|y| in (0, 1], 1 + tanh(y) is
+// 2 / (1 + e) for y >= 0 and 2 e / (1 + e) below: no overflow, and no cancellation where
+// tanh(y) nears -1 (the tail that 1 + tanh would round to zero).
+void gelu_tanh_mul(const at::Tensor& gate_up, const at::Tensor& out) {
+  constexpr float kSqrt2OverPi = 0.7978845608028654f, kCubic = 0.044715f;
+  gate_rows(
+      gate_up, out,
+      [](vfloat x) {
+        const vfloat y = kSqrt2OverPi * (x + kCubic * (x * x * x));
+        const vfloat e = exp_nonpositive(-2.0f * (y < 0.0f ? -y : y));
+        return 0.5f * x * ((y < 0.0f ? 2.0f * e : vfloat{} + 2.0f) / (1.0f + e));
+      },
+      [](float x) {
+        const float y = kSqrt2OverPi * (x + kCubic * (x * x * x));
+        const float e = std::exp(-2.0f * std::fabs(y));
+        return 0.5f * x * ((y < 0.0f ? 2.0f * e : 2.0f) / (1.0f + e));
+      });
+}
+
+// SiLU's gate: silu(x) = x / (1 + e^-x), from e^-|x| so that the exponential never
+// overflows.
 void silu_mul(const at::Tensor& gate_up, const at::Tensor& out) {
-  const int64_t rows = gate_up.size(0), inter = out.size(1);
-  check_rows(gate_up, 2 * inter, "gate_up");
-  check_rows(out, inter, "out");
-  TORCH_CHECK(out.size(0) == rows, "out [T, I] for gate_up [T, 2 I]");
-  const float* gp = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t gs = gate_up.stride(0), os = out.stride(0);
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* g = gp + t * gs;
-      float* o = op + t * os;
-      int64_t i = 0;
-      for (; i + kLanes <= inter; i += kLanes) {
-        const vfloat x = load(g + i);
-        const vfloat ax = x < 0.0f ? -x : x;
-        const vfloat e = exp_nonpositive(-ax);  // e^-|x|, in (0, 1]
-        const vfloat num = x < 0.0f ? x * e : x;  // x e^x / (1 + e^x) when x < 0
-        store(o + i, num / (1.0f + e) * load(g + inter + i));
-      }
-      for (; i < inter; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * g[inter + i];
-    }
-  });
+  gate_rows(
+      gate_up, out,
+      [](vfloat x) {
+        const vfloat e = exp_nonpositive(x < 0.0f ? x : -x);  // e^-|x|, in (0, 1]
+        return (x < 0.0f ? x * e : x) / (1.0f + e);  // x e^x / (1 + e^x) when x < 0
+      },
+      [](float x) { return x / (1.0f + std::exp(-x)); });
 }
 
 }  // namespace nanoserve

@@ -101,6 +101,25 @@ class ToolParser(ABC):
         return [ToolCallStart(index, self._new_id(), name), ToolCallArgs(index, arguments)]
 
 
+class SteppedParser(ToolParser):
+    """A parser over a buffer: `feed` appends to it and lets `_step` take what the text so
+    far decides, one decision at a time, until `_step` needs more text (returns False)."""
+
+    def __init__(self, new_id: IdSource | None = None) -> None:
+        super().__init__(new_id)
+        self._buf = ""  # the text not yet decided
+
+    def feed(self, text: str) -> list[Event]:
+        self._buf += text
+        out: list[Event] = []
+        while self._step(out):
+            pass
+        return out
+
+    @abstractmethod
+    def _step(self, out: list[Event]) -> bool: ...
+
+
 def content(text: str) -> list[Event]:
     """A content event, or none for empty text (a stream never carries empty deltas)."""
     return [Content(text)] if text else []

@@ -17,7 +17,7 @@ from __future__ import annotations
 from nanoserve.server.tools.base import (
     Event,
     IdSource,
-    ToolParser,
+    SteppedParser,
     call_from_object,
     content,
     load_json,
@@ -28,20 +28,12 @@ OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
 
 
-class HermesToolParser(ToolParser):
+class HermesToolParser(SteppedParser):
     def __init__(self, new_id: IdSource | None = None) -> None:
         super().__init__(new_id)
-        self._buf = ""  # text not yet decided: held-back content, or a block's body so far
         self._in_call = False
         self._gap = ""  # the whitespace dropped before the open block, if it is rejected
         self._after_call = False  # drop the whitespace that follows a call
-
-    def feed(self, text: str) -> list[Event]:
-        self._buf += text
-        out: list[Event] = []
-        while self._step(out):
-            pass
-        return out
 
     def finish(self) -> list[Event]:
         out: list[Event] = []

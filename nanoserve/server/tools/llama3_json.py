@@ -17,7 +17,7 @@ from nanoserve.server.tools.base import (
     Event,
     IdSource,
     Nesting,
-    ToolParser,
+    SteppedParser,
     call_from_object,
     content,
     find_opening,
@@ -34,21 +34,13 @@ class _State(Enum):
     TEXT = "text"  # not (or no longer) calls: everything is content
 
 
-class Llama3JsonToolParser(ToolParser):
+class Llama3JsonToolParser(SteppedParser):
     def __init__(self, new_id: IdSource | None = None) -> None:
         super().__init__(new_id)
-        self._buf = ""  # everything since the last call, not yet decided
         self._state = _State.BEGIN
         self._start = 0  # where the open object starts in the buffer
         self._scanned = 0  # how much of the buffer the nesting has seen
         self._nesting = Nesting()
-
-    def feed(self, text: str) -> list[Event]:
-        self._buf += text
-        out: list[Event] = []
-        while self._step(out):
-            pass
-        return out
 
     def finish(self) -> list[Event]:
         out: list[Event] = []

@@ -19,7 +19,7 @@ from nanoserve.server.tools.base import (
     Event,
     IdSource,
     Nesting,
-    ToolParser,
+    SteppedParser,
     call_from_object,
     content,
     find_opening,
@@ -39,10 +39,9 @@ class _State(Enum):
     ARGUMENTS = "arguments"  # after `name[ARGS]`: inside the object
 
 
-class MistralToolParser(ToolParser):
+class MistralToolParser(SteppedParser):
     def __init__(self, new_id: IdSource | None = None) -> None:
         super().__init__(new_id)
-        self._buf = ""  # held-back content, or the text after the marker so far
         self._state = _State.TEXT
         self._gap = ""  # whitespace dropped before the marker, given back if rejected
         self._after_call = False  # drop the whitespace that follows a call
@@ -50,13 +49,6 @@ class MistralToolParser(ToolParser):
         self._start = 0  # where the array or object starts in the buffer
         self._scanned = 0  # how much of the buffer the nesting has seen
         self._nesting = Nesting()
-
-    def feed(self, text: str) -> list[Event]:
-        self._buf += text
-        out: list[Event] = []
-        while self._step(out):
-            pass
-        return out
 
     def finish(self) -> list[Event]:
         out: list[Event] = []

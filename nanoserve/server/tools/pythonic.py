@@ -21,7 +21,7 @@ from nanoserve.server.tools.base import (
     Event,
     IdSource,
     Nesting,
-    ToolParser,
+    SteppedParser,
     content,
     find_opening,
 )
@@ -38,21 +38,13 @@ class _State(Enum):
     TEXT = "text"  # everything is content
 
 
-class PythonicToolParser(ToolParser):
+class PythonicToolParser(SteppedParser):
     def __init__(self, new_id: IdSource | None = None) -> None:
         super().__init__(new_id)
-        self._buf = ""
         self._state = _State.BEGIN
         self._start = 0  # where the list starts in the buffer
         self._scanned = 0  # how much of the buffer the nesting has seen
         self._nesting = Nesting()
-
-    def feed(self, text: str) -> list[Event]:
-        self._buf += text
-        out: list[Event] = []
-        while self._step(out):
-            pass
-        return out
 
     def finish(self) -> list[Event]:
         if self._state is _State.AFTER and PYTHON_END.startswith(self._buf.lstrip()):
