@@ -224,6 +224,17 @@ async def test_reasoning_is_split_and_a_schema_applies_after_it(server: openai.O
     assert unary.message.reasoning_content == "not json at all"
     assert json.loads(unary.message.content) == {"city": "Paris"}
     assert streamed["content"] == unary.message.content
+    # A required call, likewise after the thinking.
+    array = '[{"name": "get_time", "parameters": {"zone": "UTC"}}]'
+    unary, streamed = await ask(server, [{"role": "user", "content": say(
+        f"<think>which zone?</think>{array}")}], tools=TOOLS, tool_choice="required")
+    assert unary.message.reasoning_content == streamed["reasoning_content"] == "which zone?"
+    assert_same(unary, streamed, "", [("get_time", {"zone": "UTC"})])
+    # qwen3 with its thinking switched off: no <think> at all, the call straight away
+    unary, streamed = await ask(server, [{"role": "user", "content": say(array)}],
+                                tools=TOOLS, tool_choice="required")
+    assert unary.message.reasoning_content is None
+    assert_same(unary, streamed, "", [("get_time", {"zone": "UTC"})])
 
 
 def test_call_ids_are_the_same_in_every_reading_of_a_response() -> None:

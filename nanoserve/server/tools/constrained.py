@@ -63,9 +63,11 @@ def required_spec(tools: Sequence[dict[str, Any]], parallel: bool) -> GuidedSpec
 
 
 def after_reasoning(spec: GuidedSpec, opening_optional: bool) -> GuidedSpec:
-    """`spec` applied once the thinking ends: free text up to `</think>` (after an opening
-    `<think>`, optional for deepseek_r1, whose template may already have written it), any
-    blank, then what `spec` allows. One Lark grammar, the constraint nested in it."""
+    """`spec` applied once the thinking ends: free text up to `</think>`, any blank, then
+    what `spec` allows. One Lark grammar, the constraint nested in it. `opening_optional`
+    (deepseek_r1, whose template may already have opened the thinking): the output thinks
+    first, with or without its own `<think>`; else (qwen3) it thinks only if it opens with
+    `<think>`, and may go straight to what `spec` allows (thinking switched off)."""
     if spec.kind == "json":
         body = "%json " + json.dumps(_laid_out(json.loads(spec.source)))
     elif spec.kind == "regex":
@@ -74,8 +76,9 @@ def after_reasoning(spec: GuidedSpec, opening_optional: bool) -> GuidedSpec:
         body = " | ".join(json.dumps(o) for o in json.loads(spec.source))
     else:
         body = "%lark {\n" + spec.source + "\n}"
-    opening = '"<think>"?' if opening_optional else '"<think>"'
-    grammar = (f"%llguidance {{}}\nstart: {opening} think /[ \\t\\n]*/ body\n"
+    thinking = ('"<think>"? think /[ \\t\\n]*/' if opening_optional
+                else '("<think>" think /[ \\t\\n]*/)?')
+    grammar = (f"%llguidance {{}}\nstart: {thinking} body\n"
                f'think[stop="</think>"]: /(.|\\n)*/\nbody: {body}\n')
     return GuidedSpec("grammar", grammar, spec.field)
 
