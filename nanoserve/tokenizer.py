@@ -142,6 +142,7 @@ class Tokenizer:
 
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = strftime_now
+        env.filters["tojson"] = _tojson
         extra = {} if tools is None else {"tools": list(tools)}  # as transformers passes them
         return env.from_string(template).render(
             messages=list(messages),
@@ -158,3 +159,13 @@ class Tokenizer:
             return False
         env = jinja2.sandbox.ImmutableSandboxedEnvironment()
         return name in jinja2.meta.find_undeclared_variables(env.parse(template))
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """`tojson` as chat templates are written against (transformers' filter): plain
+    json.dumps, keys in their order, no HTML escaping. Jinja's own sorts the keys and
+    escapes quotes and brackets, so a tool's JSON schema would read differently to the model
+    than under transformers (Qwen's and Llama's templates list the tools with it)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)

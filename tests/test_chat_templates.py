@@ -65,3 +65,35 @@ def test_the_template_renders_as_transformers_renders_it(folder: Path) -> None:
         want = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
         got = ours.apply_chat_template(messages, add_generation_prompt=gen)
         assert got == want, (messages, gen)
+
+
+TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Today's weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+
+
+def test_tools_and_tool_turns_render_as_transformers_renders_them(folder: Path) -> None:
+    """A tool loop through each model's own template: the tools (`tools=`, as transformers
+    passes them), an assistant turn carrying tool_calls and the tool's result, as the chat
+    route hands them over (server/body_types.py: arguments as an object)."""
+    from transformers import AutoTokenizer
+
+    from nanoserve.server.body_types import Message
+
+    ours = Tokenizer.from_folder(folder)
+    theirs = AutoTokenizer.from_pretrained(folder)
+    assert ours.template_reads("tools")
+    body = [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [{
+                "id": "call_1", "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "18C"}]
+    messages = [Message.model_validate(m).as_dict() for m in body]
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    for gen in (True, False):
+        want = theirs.apply_chat_template(messages, tools=[TOOL], tokenize=False,
+                                          add_generation_prompt=gen)
+        got = ours.apply_chat_template(messages, tools=[TOOL], add_generation_prompt=gen)
+        assert got == want
+        assert "get_weather" in got
