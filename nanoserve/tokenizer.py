@@ -8,6 +8,7 @@ detokenizer sees the same multi-byte fragments with the stub as with real weight
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -155,10 +156,7 @@ class Tokenizer:
         """Whether the chat template (the given one, else the model's) reads the variable
         `name` at all: one that never reads `tools` cannot show the model its functions."""
         template = chat_template or self.chat_template
-        if template is None:
-            return False
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment()
-        return name in jinja2.meta.find_undeclared_variables(env.parse(template))
+        return template is not None and name in _template_variables(template)
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
@@ -169,3 +167,11 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
     than under transformers (Qwen's and Llama's templates list the tools with it)."""
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                       sort_keys=sort_keys)
+
+
+@functools.lru_cache(maxsize=16)
+def _template_variables(template: str) -> frozenset[str]:
+    """The variables a template reads from its context, parsed once per template (each
+    chat request asks whether it reads `tools`)."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment()
+    return frozenset(jinja2.meta.find_undeclared_variables(env.parse(template)))
