@@ -46,6 +46,45 @@ SAY_OPEN, SAY_CLOSE = "⟪say⟫", "⟪/say⟫"
 _SCRIPTS_KEPT = 1024  # sequences whose script (or its absence) is remembered
 
 
+class Scripts:
+    """What prompts tell the stub to say (`SAY_OPEN`...`SAY_CLOSE`), each sequence's prompt
+    read once: id(history) -> (the history list itself, its script's tokens or None), the
+    last `_SCRIPTS_KEPT` sequences."""
+
+    def __init__(self, tokenizer: Tokenizer, eos: int) -> None:
+        self._tokenizer = tokenizer
+        self._eos = eos
+        self._seen: OrderedDict[int, tuple[Sequence[int], list[int] | None]] = OrderedDict()
+
+    def _script(self, hist: Sequence[int]) -> list[int] | None:
+        """The tokens the prompt in `hist` tells the stub to say, if it does."""
+        key = id(hist)
+        got = self._seen.get(key)
+        if got is not None and got[0] is hist:
+            self._seen.move_to_end(key)
+            return got[1]
+        text = self._tokenizer.decode(list(hist), skip_special_tokens=False)
+        start = text.rfind(SAY_OPEN)  # the last: a tool result may script the next turn
+        end = text.find(SAY_CLOSE, start)
+        script = (self._tokenizer.encode(text[start + len(SAY_OPEN):end])
+                  if start >= 0 and end > start else None)
+        self._seen[key] = (hist, script)
+        if len(self._seen) > _SCRIPTS_KEPT:
+            self._seen.popitem(last=False)
+        return script
+
+    def next_token(self, hist: Sequence[int], upto: int) -> int | None:
+        """The scripted next token after hist[:upto] (EOS once it is all said), or None:
+        the output so far is the longest suffix of the history that begins the script."""
+        script = self._script(hist)
+        if script is None:
+            return None
+        for k in range(min(len(script), upto), 0, -1):
+            if list(hist[upto - k:upto]) == script[:k]:
+                return script[k] if k < len(script) else self._eos
+        return script[0] if script else self._eos
+
+
 class StubModel:
     def __init__(
         self,
@@ -89,38 +128,7 @@ class StubModel:
             self._next_array[a] = b
         self._eos_cut = int(eos_prob * (1 << 32))
         self._values = torch.tensor([10.0, 9.25, 8.75, 8.25, 7.75, 7.25])[:_NUM_CANDIDATES]
-        self._tokenizer = tokenizer
-        # id(history) -> (the history list itself, its script's tokens or None): a
-        # sequence's prompt is read once, not every step
-        self._scripts: OrderedDict[int, tuple[Sequence[int], list[int] | None]] = OrderedDict()
-
-    def _script(self, hist: Sequence[int]) -> list[int] | None:
-        """The tokens the prompt in `hist` tells the stub to say, if it does."""
-        key = id(hist)
-        got = self._scripts.get(key)
-        if got is not None and got[0] is hist:
-            self._scripts.move_to_end(key)
-            return got[1]
-        text = self._tokenizer.decode(list(hist), skip_special_tokens=False)
-        start = text.rfind(SAY_OPEN)  # the last: a tool result may script the next turn
-        end = text.find(SAY_CLOSE, start)
-        script = (self._tokenizer.encode(text[start + len(SAY_OPEN):end])
-                  if start >= 0 and end > start else None)
-        self._scripts[key] = (hist, script)
-        if len(self._scripts) > _SCRIPTS_KEPT:
-            self._scripts.popitem(last=False)
-        return script
-
-    def _scripted(self, hist: Sequence[int], upto: int) -> int | None:
-        """The scripted next token after hist[:upto] (EOS once it is all said), or None:
-        the output so far is the longest suffix of the history that begins the script."""
-        script = self._script(hist)
-        if script is None:
-            return None
-        for k in range(min(len(script), upto), 0, -1):
-            if list(hist[upto - k:upto]) == script[:k]:
-                return script[k] if k < len(script) else self._eos
-        return script[0] if script else self._eos
+        self._scripts = Scripts(tokenizer, self._eos)
 
     # The stub keeps no KV: these exist so it satisfies the Model protocol.
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
@@ -187,7 +195,7 @@ class StubModel:
         logits: the engine's fast path when every row is plain greedy. Simulation runs
         millions of such rows, and the logits tensor and its argmax were most of a step."""
         rows = self._logits_rows(batch)
-        said = [self._scripted(batch.histories[row], upto) for row, upto in rows]
+        said = [self._scripts.next_token(batch.histories[row], upto) for row, upto in rows]
         if (len(rows) >= _VECTOR_ROWS and all(upto >= _TAIL for _, upto in rows)
                 and all(t is None for t in said)):
             return self._top_array(batch, rows)
@@ -251,7 +259,7 @@ class StubModel:
             upto = batch.context_lens[row] - (ends[row] - 1 - idx)
             hist = batch.histories[row]
             cands = self._candidates(upto, hist[max(0, upto - 4) : upto], batch.seeds[row])
-            token = self._scripted(hist, upto)
+            token = self._scripts.next_token(hist, upto)
             if token is not None:  # first, the rest keep their order
                 cands = [token, *[t for t in cands if t != token]][:_NUM_CANDIDATES]
             picks.append(cands)

@@ -25,8 +25,8 @@ from nanoserve.model.base import ModelStartError
 from nanoserve.server import recording
 from nanoserve.server.jobs import Registry
 from nanoserve.server.protocol import protocol
-from nanoserve.server.render import TokenText
 from nanoserve.server.state import Ready, ServerState
+from nanoserve.server.token_text import TokenText
 
 log = logging.getLogger("nanoserve.server")
 

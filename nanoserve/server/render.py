@@ -6,11 +6,7 @@ logprobs of a chunk are those of the tokens since the last chunk, and `text_offs
 on from it, so the concatenated chunks equal the unary response by construction, logprobs
 included (docs/ARCHITECTURE.md: streaming is a delivery schedule, not a different model).
 
-Token strings. A byte-level BPE token is a run of *bytes* written in GPT-2's printable
-alphabet (byte 0x20 is "Ġ", and so on); a token in the middle of a multi-byte character is
-not valid UTF-8 alone. `TokenText` maps a token back to its bytes (the chat API's `bytes`
-field) and shows undecodable bytes as `\\xNN` escapes, as the OpenAI API does, rather than
-as U+FFFD, which would hide which bytes they were.
+Token strings (a token's bytes and display text) are token_text.py's `TokenText`.
 
 vLLM's extras. `prompt_logprobs` (asked for by name) is vLLM's list: null for the first
 prompt token, then per token a map of token id (a string, as JSON keys are) to `{logprob,
@@ -29,49 +25,10 @@ from typing import Any
 from nanoserve.engine.request import Update
 from nanoserve.sampling.params import MAX_LOGPROBS
 from nanoserve.sampling.sampler import TokenLogprobs
-from nanoserve.server.tools.output import ChoiceOutput, OutputPlan
-from nanoserve.tokenizer import Tokenizer
+from nanoserve.server.token_text import TokenText
+from nanoserve.server.tools.output import ChoiceOutput, OutputPlan, delta_json, message_json
 
 Json = dict[str, Any]
-
-
-def _byte_alphabet() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, inverted: printable Latin-1 bytes stand for themselves;
-    the other 68 bytes (controls, space, 0x7f-0xa0, 0xad) are shifted up to U+0100 onward,
-    in byte order, so every byte has a visible, unambiguous character."""
-    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    table = {chr(b): b for b in printable}
-    shifted = sorted(set(range(256)) - set(printable))
-    for i, b in enumerate(shifted):
-        table[chr(0x100 + i)] = b
-    return table
-
-
-_ALPHABET = _byte_alphabet()
-
-
-class TokenText:
-    """Token id -> raw bytes and display string, cached (a stream asks for the same few
-    thousand ids again and again)."""
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self._tok = tokenizer
-        self._cache: dict[int, tuple[bytes, str]] = {}
-
-    def get(self, token_id: int) -> tuple[bytes, str]:
-        hit = self._cache.get(token_id)
-        if hit is None:
-            piece = self._tok.id_to_token(token_id) or ""
-            if piece and all(ch in _ALPHABET for ch in piece):
-                raw = bytes(_ALPHABET[ch] for ch in piece)
-            else:  # special tokens and non-byte-level vocabularies: the text is the token
-                raw = self._tok.decode([token_id], skip_special_tokens=False).encode()
-            hit = (raw, raw.decode("utf-8", errors="backslashreplace"))
-            self._cache[token_id] = hit
-        return hit
-
-    def text(self, token_id: int) -> str:
-        return self.get(token_id)[1]
 
 
 # One token of a logprobs list: its id, and its logprobs, or None for the first token of an
@@ -190,14 +147,7 @@ class Shapes:
             d.tool_calls += end.tool_calls
         if not d and not first and not c.finished:
             return None
-        delta: Json = {"role": "assistant"} if first else {}
-        if d.content or (first and not d.reasoning and not d.tool_calls):
-            delta["content"] = d.content
-        if d.reasoning:
-            delta["reasoning_content"] = d.reasoning
-        if d.tool_calls:
-            delta["tool_calls"] = d.tool_calls
-        return delta
+        return delta_json(d, first)
 
     def _finish_reason(self, c: Choice) -> str | None:
         """As OpenAI's: "tool_calls" where the model stopped after calling tools."""
@@ -210,17 +160,7 @@ class Shapes:
         if self.output is None:
             return {"role": "assistant", "content": text}
         c.out = self.output.start(self.id, c.index)
-        c.out.feed(text)
-        c.out.finish()
-        content = "".join(c.out.content)
-        calls = c.out.calls()
-        msg: Json = {"role": "assistant", "content": content or (None if calls else "")}
-        if self.output.reasoning is not None:
-            msg["reasoning_content"] = "".join(c.out.reasoning) or None
-        if calls:
-            msg["tool_calls"] = [{"id": k.id, "type": "function", "function": {
-                "name": k.name, "arguments": k.arguments}} for k in calls]
-        return msg
+        return message_json(c.out, text, self.output.reasoning is not None)
 
     def _extras(self, c: Choice, first: bool) -> Json:
         """The prompt's logprobs and token ids, for a response or a first chunk."""

@@ -17,7 +17,7 @@ from nanoserve.server.jobs import Registry
 from nanoserve.server.metrics import Metrics
 from nanoserve.server.protocol import Protocol
 from nanoserve.server.recording import Recorder
-from nanoserve.server.render import TokenText
+from nanoserve.server.token_text import TokenText
 from nanoserve.tokenizer import Tokenizer
 
 

@@ -28,7 +28,7 @@ from nanoserve.model.llama import LlamaModel
 from nanoserve.sampling.params import MAX_LOGPROBS, SamplingParams
 from nanoserve.sampling.sampler import TokenLogprobs
 from nanoserve.server import ServerConfig, counter_ids, create_app
-from nanoserve.server.render import TokenText
+from nanoserve.server.token_text import TokenText
 from nanoserve.tokenizer import Tokenizer
 
 PROMPT = [1000 + (i * 37) % 900 for i in range(40)]  # 40 tokens: 3 blocks of 16, chunked

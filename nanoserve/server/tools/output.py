@@ -141,3 +141,32 @@ class ChoiceOutput:
         self.content.append(d.content)
         self.reasoning.append(d.reasoning)
         return d
+
+
+def delta_json(d: Delta, first: bool) -> Json:
+    """A stream chunk's `delta` for what a piece of text added: the role on a choice's
+    first chunk, then content, reasoning_content and tool_calls where there are some."""
+    delta: Json = {"role": "assistant"} if first else {}
+    if d.content or (first and not d.reasoning and not d.tool_calls):
+        delta["content"] = d.content
+    if d.reasoning:
+        delta["reasoning_content"] = d.reasoning
+    if d.tool_calls:
+        delta["tool_calls"] = d.tool_calls
+    return delta
+
+
+def message_json(out: ChoiceOutput, text: str, reasoning: bool) -> Json:
+    """A unary answer's message: the whole `text` read by `out` (a fresh ChoiceOutput) as
+    the stream reads it; content null where there are calls and nothing else, as OpenAI's."""
+    out.feed(text)
+    out.finish()
+    content = "".join(out.content)
+    calls = out.calls()
+    msg: Json = {"role": "assistant", "content": content or (None if calls else "")}
+    if reasoning:
+        msg["reasoning_content"] = "".join(out.reasoning) or None
+    if calls:
+        msg["tool_calls"] = [{"id": k.id, "type": "function", "function": {
+            "name": k.name, "arguments": k.arguments}} for k in calls]
+    return msg
