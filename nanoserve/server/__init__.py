@@ -6,14 +6,22 @@
     config.py    ServerConfig: the settings serve's flags decide; state.py: the app's state
     recording.py the `serve --record` hook (the recorder comes from an entry point)
     generation.py  POST /v1/completions, POST /v1/chat/completions
+    responses_route.py  POST /v1/responses (stateless), on the chat machinery;
+                 responses_api.py its request as a chat request, responses_events.py the
+                 chat output as Responses events and object
+    tools/       tool calls and reasoning read out of the text (parsers by vLLM's names),
+                 a request's tools planned and their constraints (plan.py, constrained.py)
+    templates/   the built-in chat templates (`--chat-template chatml-tools`)
     admin.py     GET /health, /v1/models, /metrics; POST /tokenize, /detokenize
     openapi.py   GET /openapi.json: the OpenAPI 3.1 document of these routes
     protocol.py  the request bodies as pydantic models: validation and /openapi.json
     generation_models.py  the generation routes' bodies (the sampling fields, each route's)
     body_types.py  what the bodies are built from: lax scalars, ranges, Message, Bounds
     parse.py     request bodies -> SamplingParams and prompts (400s naming the field)
+    constraints.py  a request's structured-output constraint (response_format, guided_*)
     respond.py   a job -> a unary JSON body or an SSE stream; status before the first byte
     render.py    response shapes: choices, chunks, logprobs, usage
+    token_text.py  a token's bytes and display text (logprobs)
     jobs.py      requests in flight: merged streams, queue limit, drain on shutdown
     metrics.py   /metrics through prometheus_client
     hypercorn_fixes.py  HTTP/2 send race, reason phrases (installed before serving)
