@@ -74,7 +74,8 @@ class Delta:
 
 
 class ChoiceOutput:
-    """One choice's text in pieces -> deltas; the whole message so far in `message`."""
+    """One choice's text in pieces -> deltas; what it read so far in `content`,
+    `reasoning` (the pieces) and `calls()`."""
 
     def __init__(self, plan: OutputPlan, new_id: IdSource) -> None:
         self._reasoner: ReasoningParser | None = (
