@@ -108,6 +108,11 @@ class SteppedParser(ToolParser):
     def __init__(self, new_id: IdSource | None = None) -> None:
         super().__init__(new_id)
         self._buf = ""  # the text not yet decided
+        self._gap = ""  # whitespace dropped before an opening marker, given back if rejected
+        self._after_call = False  # drop the whitespace that follows a call
+        self._start = 0  # where the open bracketed structure starts in the buffer
+        self._scanned = 0  # how much of the buffer its nesting has seen
+        self._nesting = Nesting()
 
     def feed(self, text: str) -> list[Event]:
         self._buf += text
@@ -118,6 +123,41 @@ class SteppedParser(ToolParser):
 
     @abstractmethod
     def _step(self, out: list[Event]) -> bool: ...
+
+    def _text_until(self, marker: str, out: list[Event]) -> bool:
+        """Content up to `marker` (blank after a call dropped, a possible start of the
+        marker held back); True once the marker is found and the buffer is past it, the
+        whitespace before it kept in `_gap` in case the markup is rejected."""
+        if self._after_call:
+            self._buf = self._buf.lstrip()
+            if not self._buf:
+                return False
+            self._after_call = False
+        start = self._buf.find(marker)
+        if start < 0:
+            keep = safe_prefix(self._buf, marker)
+            out += content(self._buf[:keep])
+            self._buf = self._buf[keep:]
+            return False
+        before = self._buf[:start].rstrip()
+        out += content(before)
+        self._gap = self._buf[len(before) : start]
+        self._buf = self._buf[start + len(marker) :]
+        return True
+
+    def _open_structure(self, start: int) -> None:
+        """A bracketed structure opens at buffer offset `start`."""
+        self._start, self._scanned = start, start
+        self._nesting = Nesting()
+
+    def _structure_end(self) -> int | None:
+        """The buffer offset just past the open structure's closing bracket, once the text
+        so far has it (each character is scanned once, however the text was cut)."""
+        end = self._nesting.end(self._buf[self._scanned :])
+        if end is None:
+            self._scanned = len(self._buf)
+            return None
+        return end + self._scanned
 
 
 def content(text: str) -> list[Event]:

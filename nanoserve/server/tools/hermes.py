@@ -21,7 +21,6 @@ from nanoserve.server.tools.base import (
     call_from_object,
     content,
     load_json,
-    safe_prefix,
 )
 
 OPEN = "<tool_call>"
@@ -32,8 +31,6 @@ class HermesToolParser(SteppedParser):
     def __init__(self, new_id: IdSource | None = None) -> None:
         super().__init__(new_id)
         self._in_call = False
-        self._gap = ""  # the whitespace dropped before the open block, if it is rejected
-        self._after_call = False  # drop the whitespace that follows a call
 
     def finish(self) -> list[Event]:
         out: list[Event] = []
@@ -55,21 +52,8 @@ class HermesToolParser(SteppedParser):
             body, self._buf = self._buf[:end], self._buf[end + len(CLOSE) :]
             self._close(body, closed=True, out=out)
             return True
-        if self._after_call:
-            self._buf = self._buf.lstrip()
-            if not self._buf:
-                return False
-            self._after_call = False
-        start = self._buf.find(OPEN)
-        if start < 0:
-            keep = safe_prefix(self._buf, OPEN)
-            out += content(self._buf[:keep])
-            self._buf = self._buf[keep:]
+        if not self._text_until(OPEN, out):
             return False
-        before = self._buf[:start].rstrip()
-        out += content(before)
-        self._gap = self._buf[len(before) : start]
-        self._buf = self._buf[start + len(OPEN) :]
         self._in_call = True
         return True
 

@@ -16,7 +16,6 @@ from enum import Enum
 from nanoserve.server.tools.base import (
     Event,
     IdSource,
-    Nesting,
     SteppedParser,
     call_from_object,
     content,
@@ -38,9 +37,6 @@ class Llama3JsonToolParser(SteppedParser):
     def __init__(self, new_id: IdSource | None = None) -> None:
         super().__init__(new_id)
         self._state = _State.BEGIN
-        self._start = 0  # where the open object starts in the buffer
-        self._scanned = 0  # how much of the buffer the nesting has seen
-        self._nesting = Nesting()
 
     def finish(self) -> list[Event]:
         out: list[Event] = []
@@ -65,16 +61,14 @@ class Llama3JsonToolParser(SteppedParser):
         if start < 0:
             self._state = _State.TEXT
             return True
-        self._state, self._start, self._scanned = _State.OBJECT, start, start
-        self._nesting = Nesting()
+        self._state = _State.OBJECT
+        self._open_structure(start)
         return True
 
     def _close(self, out: list[Event]) -> bool:
-        end = self._nesting.end(self._buf[self._scanned :])
+        end = self._structure_end()
         if end is None:
-            self._scanned = len(self._buf)
             return False
-        end += self._scanned
         call = call_from_object(load_json(self._buf[self._start : end]))
         if call is None:
             self._state = _State.TEXT

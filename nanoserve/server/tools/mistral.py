@@ -18,13 +18,11 @@ from enum import Enum
 from nanoserve.server.tools.base import (
     Event,
     IdSource,
-    Nesting,
     SteppedParser,
     call_from_object,
     content,
     find_opening,
     load_json,
-    safe_prefix,
 )
 
 MARKER = "[TOOL_CALLS]"
@@ -43,12 +41,7 @@ class MistralToolParser(SteppedParser):
     def __init__(self, new_id: IdSource | None = None) -> None:
         super().__init__(new_id)
         self._state = _State.TEXT
-        self._gap = ""  # whitespace dropped before the marker, given back if rejected
-        self._after_call = False  # drop the whitespace that follows a call
         self._name = ""
-        self._start = 0  # where the array or object starts in the buffer
-        self._scanned = 0  # how much of the buffer the nesting has seen
-        self._nesting = Nesting()
 
     def finish(self) -> list[Event]:
         out: list[Event] = []
@@ -70,21 +63,8 @@ class MistralToolParser(SteppedParser):
         return self._close(out)
 
     def _text(self, out: list[Event]) -> bool:
-        if self._after_call:
-            self._buf = self._buf.lstrip()
-            if not self._buf:
-                return False
-            self._after_call = False
-        start = self._buf.find(MARKER)
-        if start < 0:
-            keep = safe_prefix(self._buf, MARKER)
-            out += content(self._buf[:keep])
-            self._buf = self._buf[keep:]
+        if not self._text_until(MARKER, out):
             return False
-        before = self._buf[:start].rstrip()
-        out += content(before)
-        self._gap = self._buf[len(before) : start]
-        self._buf = self._buf[start + len(MARKER) :]
         self._state = _State.MARKED
         return True
 
@@ -112,15 +92,13 @@ class MistralToolParser(SteppedParser):
         return True
 
     def _open(self, state: _State, start: int) -> None:
-        self._state, self._start, self._scanned = state, start, start
-        self._nesting = Nesting()
+        self._state = state
+        self._open_structure(start)
 
     def _close(self, out: list[Event]) -> bool:
-        end = self._nesting.end(self._buf[self._scanned :])
+        end = self._structure_end()
         if end is None:
-            self._scanned = len(self._buf)
             return False
-        end += self._scanned
         value = load_json(self._buf[self._start : end])
         if self._state is _State.ARGUMENTS:
             value = [{"name": self._name, "arguments": value}]

@@ -20,7 +20,6 @@ from enum import Enum
 from nanoserve.server.tools.base import (
     Event,
     IdSource,
-    Nesting,
     SteppedParser,
     content,
     find_opening,
@@ -42,9 +41,6 @@ class PythonicToolParser(SteppedParser):
     def __init__(self, new_id: IdSource | None = None) -> None:
         super().__init__(new_id)
         self._state = _State.BEGIN
-        self._start = 0  # where the list starts in the buffer
-        self._scanned = 0  # how much of the buffer the nesting has seen
-        self._nesting = Nesting()
 
     def finish(self) -> list[Event]:
         if self._state is _State.AFTER and PYTHON_END.startswith(self._buf.lstrip()):
@@ -60,7 +56,7 @@ class PythonicToolParser(SteppedParser):
             if start is None:
                 return False
             self._state = _State.LIST if start >= 0 else _State.TEXT
-            self._start = self._scanned = start
+            self._open_structure(start)
             return True
         if self._state is _State.LIST:
             return self._close(out)
@@ -83,11 +79,9 @@ class PythonicToolParser(SteppedParser):
         return False
 
     def _close(self, out: list[Event]) -> bool:
-        end = self._nesting.end(self._buf[self._scanned :])
+        end = self._structure_end()
         if end is None:
-            self._scanned = len(self._buf)
             return False
-        end += self._scanned
         calls = read_calls(self._buf[self._start : end])
         if calls is None:
             self._state = _State.TEXT
