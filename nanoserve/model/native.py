@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = (_CSRC / "attention.cpp", _CSRC / "layers.cpp", _CSRC / "quant.cpp",
-            _CSRC / "stack.cpp")
+            _CSRC / "panels.cpp", _CSRC / "stack.cpp")
 _HEADERS = (_CSRC / "vec.h", _CSRC / "kernels.h")
 STALE_AFTER_S = 30 * 86400
 

@@ -18,6 +18,7 @@ import torch
 from nanoserve.model.base import ModelConfig
 from nanoserve.model.linear import Proj
 from nanoserve.model.native import Kernels
+from nanoserve.model.panels import PANEL_FROM_ROWS, Q8Panels
 from nanoserve.model.quant import QuantProj, QuantWeight, Scratch
 
 
@@ -94,7 +95,7 @@ def place_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor | Quan
         embed=None if embed_q is not None else w("model.embed_tokens.weight"),
         embed_q=embed_q,
         norm=norm("model.norm.weight"),
-        lm_head=proj([head]),
+        lm_head=_head(proj([head]), where),
         layers=[LayerWeights(
             attn_norm=norm(p + "input_layernorm.weight"),
             qkv=proj([p + f"self_attn.{x}_proj.weight" for x in "qkv"]),
@@ -127,6 +128,15 @@ def _fused(parts: list[torch.Tensor | QuantWeight], scratch: Scratch, where: Pla
     dense = [q.dequantize(where.kernels) if isinstance(q, QuantWeight) else q for q in parts]
     return Proj(torch.cat(dense).to(device=where.device, dtype=where.dtype),
                 pack=where.pack_weights)
+
+
+def _head(head: Proj | QuantProj, where: Placement) -> Proj | QuantProj:
+    """The LM head, on its panels (model/panels.py) from PANEL_FROM_ROWS rows where it is
+    one Q8_0 weight and the instruction set has them."""
+    if isinstance(head, QuantProj) and head.kernels.isa in PANEL_FROM_ROWS:
+        head.panels = Q8Panels.of(head.weight)
+        head.panel_from = PANEL_FROM_ROWS[head.kernels.isa]
+    return head
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ per output channel, where Q8_0 has one per 32 weights.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -29,6 +29,9 @@ import torch
 from nanoserve.model import native
 from nanoserve.model.int8 import INT8_FROM_ROWS, Int8Weight
 from nanoserve.model.native import Kernels
+
+if TYPE_CHECKING:
+    from nanoserve.model.panels import Q8Panels
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,9 +219,11 @@ class QuantProj:
     kernel (weights dequantized in registers, or a few rows at a time into L1) below
     DENSE_FROM_ROWS rows, the whole weight dequantized into `scratch` for MKL's sgemm from
     there. Either way the weights are the same values; only the order of additions differs.
-    `int8` (model/int8.py, opt-in) takes over from INT8_FROM_ROWS rows."""
+    `int8` (model/int8.py, opt-in) takes over from INT8_FROM_ROWS rows, and `panels`
+    (model/panels.py: the LM head) from `panel_from` rows below that."""
 
-    __slots__ = ("weight", "scratch", "ops", "dense_from", "kernels", "int8", "pieces")
+    __slots__ = ("weight", "scratch", "ops", "dense_from", "kernels", "int8", "pieces",
+                 "panels", "panel_from")
 
     def __init__(self, weight: QuantWeight, scratch: Scratch | None = None,
                  kernels: Kernels | None = None) -> None:
@@ -230,6 +235,8 @@ class QuantProj:
         self.kernels = k
         self.int8: Int8Weight | None = None
         self.pieces = weight.pieces()  # once, not on every call of a decode step
+        self.panels: Q8Panels | None = None
+        self.panel_from = 0
 
     def dense_weight(self) -> torch.Tensor:
         return self.weight.dequantize(self.kernels)
@@ -240,6 +247,8 @@ class QuantProj:
             return self.int8(x)
         if x.stride(-1) != 1:
             x = x.contiguous()
+        if self.panels is not None and x.shape[0] >= self.panel_from:
+            return self.panels(self.ops, x)
         if x.shape[0] >= self.dense_from:
             dense = self.scratch.matrix(w.rows, w.cols)
             w.dequantize_into(self.ops, dense)  # a mixed weight: each part into its rows

@@ -34,4 +34,8 @@ void quant_linear(const at::Tensor& x, const at::Tensor& blocks, const std::stri
                   const at::Tensor& out);
 void dequantize(const at::Tensor& blocks, const std::string& format, const at::Tensor& out);
 
+// panels.cpp
+void q8_panel_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                     const at::Tensor& out);
+
 }  // namespace nanoserve

@@ -1,0 +1,167 @@
+// A Q8_0 weight repacked for many rows of x at once: the LM head of a decode step at 9 to a
+// few hundred rows.
+//
+// quant.cpp's tile kernel takes a GGUF row's blocks as they lie: each output is a dot product
+// of a weight row with a row of x, kept as a vector of partial sums and reduced across its
+// lanes at the end, and a tile's weights go through an L1 buffer first. On Gemma 3's head
+// (262,144 x 640, Q8_0) at 16 rows that ran at 132 GFLOP/s, where float32 sgemm on a cached
+// matrix runs at 190: the reductions and the buffer were a third of the work.
+//
+// Here the weight is laid out the other way round, once, at load (quant.py's Q8Panels): 16
+// output rows side by side, a panel, [N / 16][K][16] int8, and their scales
+// [N / 16][K / 32][16] float32 (the f16 d of each row's block, exact). One k of a panel is
+// then 16 outputs' weights in one vector (two on AVX2): dequantized in registers (a widening
+// and a multiply by the block's scales) and multiplied by x[r][k] broadcast, for R rows of x
+// at a time, R accumulators that are already the outputs: no reduction, no buffer. Each
+// output is one chain of fused multiply-adds over k in order.
+//
+// The weights are exactly quant.cpp's (d * q, exact in float32), so only the order of the
+// additions differs from the tile kernel's; a row's outputs do not depend on which rows
+// share its step.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "kernels.h"
+#include "vec.h"
+
+namespace {
+
+using nanoserve::load;
+using nanoserve::store;
+typedef nanoserve::vfloat vf;
+constexpr int kW = nanoserve::kLanes;
+constexpr int64_t kPanel = 16;  // outputs side by side in a panel
+constexpr int64_t kBlock = 32;  // weights of a Q8_0 block: one scale each
+#define NS_INLINE inline __attribute__((always_inline))
+
+// Rows of x per pass over a panel's vector: R accumulators, the weight vector, its scales
+// and one broadcast x in the register file (32 zmm, 16 ymm).
+#if defined(NANOSERVE_AVX512)
+constexpr int kRows = 16;
+#else
+constexpr int kRows = 12;
+#endif
+
+// kW int8 quants (one k of kW outputs) as floats.
+NS_INLINE vf widen(const int8_t* p) {
+#if defined(NANOSERVE_AVX512)
+  return (vf)_mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(NANOSERVE_AVX2)
+  return (vf)_mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  vf w;
+  for (int l = 0; l < kW; ++l) w[l] = static_cast<float>(p[l]);
+  return w;
+#endif
+}
+
+// x with every k's value in one broadcast.
+NS_INLINE vf splat(float v) {
+#if defined(NANOSERVE_AVX512)
+  return (vf)_mm512_set1_ps(v);
+#elif defined(NANOSERVE_AVX2)
+  return (vf)_mm256_set1_ps(v);
+#else
+  vf s;
+  for (int l = 0; l < kW; ++l) s[l] = v;
+  return s;
+#endif
+}
+
+// out[r][0, kW) = x[r] . the kW weight rows of lanes [lane, lane + kW) of one panel, r < R;
+// xt is the R rows of x transposed, [K][kRows] (one k's rows side by side: the broadcasts
+// come from one pointer at fixed offsets).
+template <int R>
+void panel_rows(const float* xt, const int8_t* q, const float* s, int64_t K, float* out,
+                int64_t os) {
+  vf a[R] = {};
+  for (int64_t kb = 0; kb < K; kb += kBlock) {
+    const vf d = load(s + kb / kBlock * kPanel);
+    const int8_t* qb = q + kb * kPanel;
+    const float* xb = xt + kb * kRows;
+#pragma GCC unroll 4
+    for (int64_t k = 0; k < kBlock; ++k) {
+      const vf w = widen(qb + k * kPanel) * d;
+      for (int r = 0; r < R; ++r) a[r] += splat(xb[k * kRows + r]) * w;
+    }
+  }
+  for (int r = 0; r < R; ++r) store(out + r * os, a[r]);
+}
+
+template <int R = kRows>
+void panel_rows_any(int rows, const float* xt, const int8_t* q, const float* s, int64_t K,
+                    float* out, int64_t os) {
+  if constexpr (R > 1) {
+    if (rows < R) return panel_rows_any<R - 1>(rows, xt, q, s, K, out, os);
+  }
+  panel_rows<R>(xt, q, s, K, out, os);
+}
+
+}  // namespace
+
+namespace nanoserve {
+
+// out[M, N] = x[M, K] @ W^T, W given as its panels (q [N / 16, K, 16] int8, scales
+// [N / 16, K / 32, 16] float32). Panels are split among threads.
+void q8_panel_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                     const at::Tensor& out) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              "q8_panel_linear: x must be float32 [M, K] with unit column stride");
+  const int64_t M = x.size(0), K = x.size(1), P = q.size(0), N = P * kPanel;
+  TORCH_CHECK(K % kBlock == 0, "q8_panel_linear: K = ", K, " is not a multiple of 32");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kChar && q.is_contiguous() &&
+                  q.size(1) == K && q.size(2) == kPanel,
+              "q8_panel_linear: q must be contiguous int8 [N / 16, K, 16]");
+  TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kFloat &&
+                  scales.is_contiguous() && scales.size(0) == P &&
+                  scales.size(1) == K / kBlock && scales.size(2) == kPanel,
+              "q8_panel_linear: scales must be contiguous float32 [N / 16, K / 32, 16]");
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.stride(1) == 1 &&
+                  out.size(0) == M && out.size(1) == N,
+              "q8_panel_linear: out must be float32 [M, N]");
+  const float* xp = x.data_ptr<float>();
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t xs = x.stride(0), os = out.stride(0);
+  // x transposed in blocks of kRows rows, [M / kRows][K][kRows]: read by every panel.
+  const int64_t blocks = (M + kRows - 1) / kRows;
+  std::vector<float> xt(blocks * K * kRows, 0.0f);
+  for (int64_t r = 0; r < M; ++r) {
+    float* dst = xt.data() + r / kRows * K * kRows + r % kRows;
+    for (int64_t k = 0; k < K; ++k) dst[k * kRows] = xp[r * xs + k];
+  }
+  at::parallel_for(0, P, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      for (int64_t lane = 0; lane < kPanel; lane += kW) {
+        const int8_t* qv = qp + p * K * kPanel + lane;
+        const float* sv = sp + p * (K / kBlock) * kPanel + lane;
+        for (int64_t b = 0; b < blocks; ++b) {
+          const int64_t r = b * kRows;
+          panel_rows_any(static_cast<int>(std::min<int64_t>(kRows, M - r)),
+                         xt.data() + b * K * kRows, qv, sv, K, op + r * os + p * kPanel + lane,
+                         os);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace nanoserve
+
+TORCH_LIBRARY_FRAGMENT(NANOSERVE_NS, m) {
+  m.def("q8_panel_linear(Tensor x, Tensor q, Tensor scales, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(NANOSERVE_NS, CPU, m) {
+  m.impl("q8_panel_linear", &nanoserve::q8_panel_linear);
+}
