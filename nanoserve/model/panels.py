@@ -24,8 +24,6 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoserve.model.quant import QuantWeight
-
 PANEL = 16  # output rows side by side (csrc/panels.cpp's kPanel)
 _Q8_BLOCK, _Q8_BYTES = 32, 34  # Q8_0: an f16 scale, then 32 int8 quants
 # From this many rows of x the head runs on its panels, by instruction set; the generic
@@ -43,12 +41,13 @@ class Q8Panels:
     scales: torch.Tensor
 
     @staticmethod
-    def of(weight: QuantWeight) -> Q8Panels | None:
-        """`weight`'s panels, or None where it is not one Q8_0 weight of whole panels."""
-        if weight.format != "q8_0" or weight.rows % PANEL:
+    def of(fmt: str, blocks: torch.Tensor, cols: int) -> Q8Panels | None:
+        """The panels of a weight of `cols` columns in format `fmt` (a QuantWeight's
+        blocks [rows, row bytes]), or None where it is not Q8_0 of whole panels."""
+        if fmt != "q8_0" or blocks.shape[0] % PANEL:
             return None
-        n, k = weight.rows, weight.cols
-        b = weight.blocks.view(n, k // _Q8_BLOCK, _Q8_BYTES)
+        n, k = blocks.shape[0], cols
+        b = blocks.view(n, k // _Q8_BLOCK, _Q8_BYTES)
         d = b[:, :, :2].contiguous().view(torch.float16).float()  # [n, k / 32]
         q = b[:, :, 2:].contiguous().view(torch.int8).view(n // PANEL, PANEL, k)
         return Q8Panels(q.permute(0, 2, 1).contiguous(),

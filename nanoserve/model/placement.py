@@ -134,7 +134,8 @@ def _head(head: Proj | QuantProj, where: Placement) -> Proj | QuantProj:
     """The LM head, on its panels (model/panels.py) from PANEL_FROM_ROWS rows where it is
     one Q8_0 weight and the instruction set has them."""
     if isinstance(head, QuantProj) and head.kernels.isa in PANEL_FROM_ROWS:
-        head.panels = Q8Panels.of(head.weight)
+        w = head.weight
+        head.panels = Q8Panels.of(w.format, w.blocks, w.cols)
         head.panel_from = PANEL_FROM_ROWS[head.kernels.isa]
     return head
 

@@ -21,7 +21,7 @@ per output channel, where Q8_0 has one per 32 weights.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,9 +29,7 @@ import torch
 from nanoserve.model import native
 from nanoserve.model.int8 import INT8_FROM_ROWS, Int8Weight
 from nanoserve.model.native import Kernels
-
-if TYPE_CHECKING:
-    from nanoserve.model.panels import Q8Panels
+from nanoserve.model.panels import Q8Panels
 
 
 @dataclass(frozen=True, slots=True)

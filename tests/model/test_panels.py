@@ -30,6 +30,10 @@ def weight(rows: int, cols: int, seed: int = 0) -> QuantWeight:
     return w
 
 
+def panels(w: QuantWeight) -> Q8Panels | None:
+    return Q8Panels.of(w.format, w.blocks, w.cols)
+
+
 def reference(w: QuantWeight) -> torch.Tensor:
     return torch.from_numpy(np.array(gguf_dequantize(w.blocks.numpy(), GGMLQuantizationType.Q8_0),
                                      dtype=np.float32))
@@ -37,7 +41,7 @@ def reference(w: QuantWeight) -> torch.Tensor:
 
 def test_the_panels_hold_the_blocks_values_exactly() -> None:
     w = weight(3 * PANEL, 96)
-    p = Q8Panels.of(w)
+    p = panels(w)
     assert p is not None
     assert p.q.shape == (3, 96, PANEL)
     assert p.scales.shape == (3, 3, PANEL)
@@ -46,8 +50,8 @@ def test_the_panels_hold_the_blocks_values_exactly() -> None:
 
 
 def test_only_a_q8_0_weight_of_whole_panels_has_them() -> None:
-    assert Q8Panels.of(weight(PANEL + 8, 64)) is None
-    assert Q8Panels.of(quantize(torch.randn(PANEL, 64), "q4_0")) is None
+    assert panels(weight(PANEL + 8, 64)) is None
+    assert panels(quantize(torch.randn(PANEL, 64), "q4_0")) is None
 
 
 @pytest.mark.parametrize("isa", ISA_PARAMS)
@@ -57,7 +61,7 @@ def test_only_a_q8_0_weight_of_whole_panels_has_them() -> None:
 def test_the_panel_multiply_is_a_matmul_over_the_same_values(rows: int, isa: str) -> None:
     k = kernels_for(isa)
     w = weight(4 * PANEL, 160, seed=rows)
-    p = Q8Panels.of(w)
+    p = panels(w)
     assert p is not None
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 200, generator=g)[:, 20:180]  # a view: rows 200 apart
