@@ -22,38 +22,56 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from nanoserve.model import unpack
+
 PANEL = 16  # output rows side by side (csrc/panels.cpp's kPanel)
-_Q8_BLOCK, _Q8_BYTES = 32, 34  # Q8_0: an f16 scale, then 32 int8 quants
-# From this many rows of x the head runs on its panels, by instruction set; the generic
+# From this many rows of x a weight runs on its panels, by instruction set; the generic
 # build has no figures (it keeps no quantized weights under auto), so none there.
 PANEL_FROM_ROWS = {"avx512": 5, "avx2": 8}
 
 
 @dataclass(frozen=True, slots=True)
-class Q8Panels:
-    """A Q8_0 weight [rows, cols] as panels: q int8 [rows / 16, cols, 16], the quant of
-    output row 16 p + i at column k in q[p, k, i]; scales float32 [rows / 16, cols / 32,
-    16], that row's block scale (its f16 d, exact). The values are the blocks' own."""
+class Panels:
+    """A quantized weight [rows, cols] as panels: q int8 [rows / 16, cols, 16], the quant of
+    output row 16 p + i at column k in q[p, k, i]; scales and offsets float32 [rows / 16,
+    cols / 16, 16], that row's group of 16 columns' s and o (offsets None for a symmetric
+    format), w = s * q + o exactly as the blocks dequantize (model/unpack.py)."""
 
     q: torch.Tensor
     scales: torch.Tensor
+    offsets: torch.Tensor | None
 
     @staticmethod
-    def of(fmt: str, blocks: torch.Tensor, cols: int) -> Q8Panels | None:
+    def of(fmt: str, blocks: torch.Tensor, cols: int) -> Panels | None:
         """The panels of a weight of `cols` columns in format `fmt` (a QuantWeight's
-        blocks [rows, row bytes]), or None where it is not Q8_0 of whole panels."""
-        if fmt != "q8_0" or blocks.shape[0] % PANEL:
+        blocks [rows, row bytes]), or None where the format has no panels (F16, BF16) or
+        the rows are not whole panels."""
+        if fmt not in unpack.FORMATS or blocks.shape[0] % PANEL:
             return None
-        n, k = blocks.shape[0], cols
-        b = blocks.view(n, k // _Q8_BLOCK, _Q8_BYTES)
-        d = b[:, :, :2].contiguous().view(torch.float16).float()  # [n, k / 32]
-        q = b[:, :, 2:].contiguous().view(torch.int8).view(n // PANEL, PANEL, k)
-        return Q8Panels(q.permute(0, 2, 1).contiguous(),
-                        d.view(n // PANEL, PANEL, k // _Q8_BLOCK).permute(0, 2, 1).contiguous())
+        q, s, o = unpack.unpack(fmt, blocks.numpy(), cols)
+        return Panels(_side_by_side(q), _side_by_side(s),
+                      None if o is None else _side_by_side(o))
 
-    def __call__(self, ops: object, x: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(x.shape[0], self.q.shape[0] * PANEL, dtype=torch.float32)
-        ops.q8_panel_linear(x, self.q, self.scales, out)  # type: ignore[attr-defined]
+    def __call__(self, ops: object, x: torch.Tensor, out: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        """x [M, cols] @ W^T into `out` [M, rows] (a view with unit column stride will
+        do), or a new tensor."""
+        if out is None:
+            out = torch.empty(x.shape[0], self.q.shape[0] * PANEL, dtype=torch.float32)
+        ops.panel_linear(x, self.q, self.scales, self.offsets, out)  # type: ignore[attr-defined]
         return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for t in (self.q, self.scales, self.offsets) if t is not None)
+
+
+def _side_by_side(a: np.ndarray) -> torch.Tensor:
+    """[rows, n] -> [rows / 16, n, 16]: each panel's 16 rows side by side."""
+    rows, n = a.shape
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    return t.view(rows // PANEL, PANEL, n).permute(0, 2, 1).contiguous()

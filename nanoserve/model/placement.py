@@ -18,7 +18,6 @@ import torch
 from nanoserve.model.base import ModelConfig
 from nanoserve.model.linear import Proj
 from nanoserve.model.native import Kernels
-from nanoserve.model.panels import PANEL_FROM_ROWS, Q8Panels
 from nanoserve.model.quant import QuantProj, QuantWeight, Scratch
 
 
@@ -95,7 +94,7 @@ def place_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor | Quan
         embed=None if embed_q is not None else w("model.embed_tokens.weight"),
         embed_q=embed_q,
         norm=norm("model.norm.weight"),
-        lm_head=_head(proj([head]), where),
+        lm_head=proj([head]),
         layers=[LayerWeights(
             attn_norm=norm(p + "input_layernorm.weight"),
             qkv=proj([p + f"self_attn.{x}_proj.weight" for x in "qkv"]),
@@ -124,20 +123,10 @@ def _fused(parts: list[torch.Tensor | QuantWeight], scratch: Scratch, where: Pla
     a fused MIXED weight runs each part's kernel into its own columns), else float32."""
     quant = [q for q in parts if isinstance(q, QuantWeight)]
     if where.quantized and len(quant) == len(parts):
-        return QuantProj(QuantWeight.cat(quant), scratch, where.kernels)
+        return QuantProj(QuantWeight.cat(quant), scratch, where.kernels).with_panels()
     dense = [q.dequantize(where.kernels) if isinstance(q, QuantWeight) else q for q in parts]
     return Proj(torch.cat(dense).to(device=where.device, dtype=where.dtype),
                 pack=where.pack_weights)
-
-
-def _head(head: Proj | QuantProj, where: Placement) -> Proj | QuantProj:
-    """The LM head, on its panels (model/panels.py) from PANEL_FROM_ROWS rows where it is
-    one Q8_0 weight and the instruction set has them."""
-    if isinstance(head, QuantProj) and head.kernels.isa in PANEL_FROM_ROWS:
-        w = head.weight
-        head.panels = Q8Panels.of(w.format, w.blocks, w.cols)
-        head.panel_from = PANEL_FROM_ROWS[head.kernels.isa]
-    return head
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,12 +147,19 @@ class DecodeStack:
     formats: list[str]
     counts: list[int]
     local_rope: list[int]  # 1 where the layer rotates by the local RoPE table
+    # Each piece's panels (model/panels.py), None where it has none, and the rows from
+    # which they run (0: never).
+    panel_q: list[torch.Tensor | None]
+    panel_scales: list[torch.Tensor | None]
+    panel_offsets: list[torch.Tensor | None]
+    panel_from: int
 
     def args(self) -> tuple[object, ...]:
         """The op's weight arguments, in its order (after x)."""
         return (self.attn_norm, self.mlp_norm, self.post_attn_norm, self.post_mlp_norm,
                 self.qkv_bias, self.q_norm, self.k_norm, self.blocks, self.formats,
-                self.counts)
+                self.counts, self.panel_q, self.panel_scales, self.panel_offsets,
+                self.panel_from)
 
 
 def decode_stack_weights(layers: list[LayerWeights], usable: bool) -> DecodeStack | None:
@@ -175,7 +171,10 @@ def decode_stack_weights(layers: list[LayerWeights], usable: bool) -> DecodeStac
     projs = [p for ly in layers for p in (ly.qkv, ly.o, ly.gate_up, ly.down)]
     if not usable or not all(isinstance(p, QuantProj) for p in projs):
         return None
-    pieces = [w for p in projs for _, w in cast(QuantProj, p).weight.pieces()]
+    quant = [cast(QuantProj, p) for p in projs]
+    pieces = [w for p in quant for _, w in p.weight.pieces()]
+    panels = [pan for p in quant for pan in (p.panels or [None] * len(p.pieces))]
+    panel_from = {p.panel_from for p in quant if p.panels}
 
     def optional(get: Callable[[LayerWeights], torch.Tensor | None]
                  ) -> list[torch.Tensor | None]:
@@ -190,4 +189,8 @@ def decode_stack_weights(layers: list[LayerWeights], usable: bool) -> DecodeStac
         k_norm=optional(lambda ly: ly.k_norm),
         blocks=[w.blocks for w in pieces], formats=[w.format for w in pieces],
         counts=[len(cast(QuantProj, p).weight.pieces()) for p in projs],
-        local_rope=[int(ly.local_rope) for ly in layers])
+        local_rope=[int(ly.local_rope) for ly in layers],
+        panel_q=[p.q if p else None for p in panels],
+        panel_scales=[p.scales if p else None for p in panels],
+        panel_offsets=[p.offsets if p else None for p in panels],
+        panel_from=panel_from.pop() if len(panel_from) == 1 else 0)

@@ -29,7 +29,7 @@ import torch
 from nanoserve.model import native
 from nanoserve.model.int8 import INT8_FROM_ROWS, Int8Weight
 from nanoserve.model.native import Kernels
-from nanoserve.model.panels import Q8Panels
+from nanoserve.model.panels import PANEL_FROM_ROWS, Panels
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,8 +217,8 @@ class QuantProj:
     kernel (weights dequantized in registers, or a few rows at a time into L1) below
     DENSE_FROM_ROWS rows, the whole weight dequantized into `scratch` for MKL's sgemm from
     there. Either way the weights are the same values; only the order of additions differs.
-    `int8` (model/int8.py, opt-in) takes over from INT8_FROM_ROWS rows, and `panels`
-    (model/panels.py: the LM head) from `panel_from` rows below that."""
+    `int8` (model/int8.py, opt-in) takes over from INT8_FROM_ROWS rows, and the panels
+    (model/panels.py, `with_panels`) from `panel_from` rows below that."""
 
     __slots__ = ("weight", "scratch", "ops", "dense_from", "kernels", "int8", "pieces",
                  "panels", "panel_from")
@@ -233,8 +233,19 @@ class QuantProj:
         self.kernels = k
         self.int8: Int8Weight | None = None
         self.pieces = weight.pieces()  # once, not on every call of a decode step
-        self.panels: Q8Panels | None = None
+        self.panels: tuple[Panels, ...] = ()  # one per piece, or none
         self.panel_from = 0
+
+    def with_panels(self) -> QuantProj:
+        """This projection on panels from PANEL_FROM_ROWS rows, where its instruction set
+        has them and every piece can be laid out as panels; else as it was."""
+        if self.kernels.isa not in PANEL_FROM_ROWS:
+            return self
+        panels = [Panels.of(p.format, p.blocks, p.cols) for _, p in self.pieces]
+        if all(p is not None for p in panels):
+            self.panels = tuple(p for p in panels if p is not None)
+            self.panel_from = PANEL_FROM_ROWS[self.kernels.isa]
+        return self
 
     def dense_weight(self) -> torch.Tensor:
         return self.weight.dequantize(self.kernels)
@@ -245,8 +256,11 @@ class QuantProj:
             return self.int8(x)
         if x.stride(-1) != 1:
             x = x.contiguous()
-        if self.panels is not None and x.shape[0] >= self.panel_from:
-            return self.panels(self.ops, x)
+        if self.panels and x.shape[0] >= self.panel_from:
+            out = torch.empty(x.shape[0], w.rows, dtype=torch.float32, device=x.device)
+            for (r, p), panels in zip(self.pieces, self.panels, strict=True):
+                panels(self.ops, x, out[:, r: r + p.rows])
+            return out
         if x.shape[0] >= self.dense_from:
             dense = self.scratch.matrix(w.rows, w.cols)
             w.dequantize_into(self.ops, dense)  # a mixed weight: each part into its rows

@@ -35,7 +35,8 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="needs the native
 
 NEW = ("q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "f16", "bf16")
 # Byte offsets of each block's f16 scales (d, then m or dmin where the format has one).
-HALVES = {"q5_0": (0,), "q5_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
+HALVES = {"q5_0": (0,), "q5_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,),
+          "q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2)}  # the last three: for test_panels
 
 
 def reference(w: QuantWeight) -> torch.Tensor:

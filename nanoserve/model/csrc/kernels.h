@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 namespace nanoserve {
@@ -35,7 +36,7 @@ void quant_linear(const at::Tensor& x, const at::Tensor& blocks, const std::stri
 void dequantize(const at::Tensor& blocks, const std::string& format, const at::Tensor& out);
 
 // panels.cpp
-void q8_panel_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
-                     const at::Tensor& out);
+void panel_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                  const std::optional<at::Tensor>& offsets, const at::Tensor& out);
 
 }  // namespace nanoserve

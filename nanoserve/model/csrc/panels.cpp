@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "kernels.h"
@@ -38,7 +39,7 @@ using nanoserve::store;
 typedef nanoserve::vfloat vf;
 constexpr int kW = nanoserve::kLanes;
 constexpr int64_t kPanel = 16;  // outputs side by side in a panel
-constexpr int64_t kBlock = 32;  // weights of a Q8_0 block: one scale each
+constexpr int64_t kGroup = 16;  // weights of one scale (and offset)
 #define NS_INLINE inline __attribute__((always_inline))
 
 // Rows of x per pass over a panel's vector: R accumulators, the weight vector, its scales
@@ -79,60 +80,66 @@ NS_INLINE vf splat(float v) {
 
 // out[r][0, kW) = x[r] . the kW weight rows of lanes [lane, lane + kW) of one panel, r < R;
 // xt is the R rows of x transposed, [K][kRows] (one k's rows side by side: the broadcasts
-// come from one pointer at fixed offsets).
-template <int R>
-void panel_rows(const float* xt, const int8_t* q, const float* s, int64_t K, float* out,
-                int64_t os) {
+// come from one pointer at fixed offsets). A weight is s * q + o of its group of 16: the
+// product exact, so fused or not the one rounding is the addition's, as gguf-py's.
+template <int R, bool kOffset>
+void panel_rows(const float* xt, const int8_t* q, const float* s, const float* o, int64_t K,
+                float* out, int64_t os) {
   vf a[R] = {};
-  for (int64_t kb = 0; kb < K; kb += kBlock) {
-    const vf d = load(s + kb / kBlock * kPanel);
-    const int8_t* qb = q + kb * kPanel;
-    const float* xb = xt + kb * kRows;
+  for (int64_t kg = 0; kg < K; kg += kGroup) {
+    const vf d = load(s + kg / kGroup * kPanel);
+    const vf m = kOffset ? load(o + kg / kGroup * kPanel) : vf{};
+    const int8_t* qg = q + kg * kPanel;
+    const float* xg = xt + kg * kRows;
 #pragma GCC unroll 4
-    for (int64_t k = 0; k < kBlock; ++k) {
-      const vf w = widen(qb + k * kPanel) * d;
-      for (int r = 0; r < R; ++r) a[r] += splat(xb[k * kRows + r]) * w;
+    for (int64_t k = 0; k < kGroup; ++k) {
+      const vf w = kOffset ? widen(qg + k * kPanel) * d + m : widen(qg + k * kPanel) * d;
+      for (int r = 0; r < R; ++r) a[r] += splat(xg[k * kRows + r]) * w;
     }
   }
   for (int r = 0; r < R; ++r) store(out + r * os, a[r]);
 }
 
 template <int R = kRows>
-void panel_rows_any(int rows, const float* xt, const int8_t* q, const float* s, int64_t K,
-                    float* out, int64_t os) {
+void panel_rows_any(int rows, const float* xt, const int8_t* q, const float* s, const float* o,
+                    int64_t K, float* out, int64_t os) {
   if constexpr (R > 1) {
-    if (rows < R) return panel_rows_any<R - 1>(rows, xt, q, s, K, out, os);
+    if (rows < R) return panel_rows_any<R - 1>(rows, xt, q, s, o, K, out, os);
   }
-  panel_rows<R>(xt, q, s, K, out, os);
+  if (o != nullptr) return panel_rows<R, true>(xt, q, s, o, K, out, os);
+  panel_rows<R, false>(xt, q, s, o, K, out, os);
 }
 
 }  // namespace
 
 namespace nanoserve {
 
-// out[M, N] = x[M, K] @ W^T, W given as its panels (q [N / 16, K, 16] int8, scales
-// [N / 16, K / 32, 16] float32). Panels are split among threads.
-void q8_panel_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
-                     const at::Tensor& out) {
+// out[M, N] = x[M, K] @ W^T, W given as its panels: q [N / 16, K, 16] int8, scales and
+// offsets (none: zero) [N / 16, K / 16, 16] float32. Panels are split among threads.
+void panel_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                  const std::optional<at::Tensor>& offsets, const at::Tensor& out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
-              "q8_panel_linear: x must be float32 [M, K] with unit column stride");
+              "panel_linear: x must be float32 [M, K] with unit column stride");
   const int64_t M = x.size(0), K = x.size(1), P = q.size(0), N = P * kPanel;
-  TORCH_CHECK(K % kBlock == 0, "q8_panel_linear: K = ", K, " is not a multiple of 32");
+  TORCH_CHECK(K % kGroup == 0, "panel_linear: K = ", K, " is not a multiple of 16");
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kChar && q.is_contiguous() &&
                   q.size(1) == K && q.size(2) == kPanel,
-              "q8_panel_linear: q must be contiguous int8 [N / 16, K, 16]");
-  TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kFloat &&
-                  scales.is_contiguous() && scales.size(0) == P &&
-                  scales.size(1) == K / kBlock && scales.size(2) == kPanel,
-              "q8_panel_linear: scales must be contiguous float32 [N / 16, K / 32, 16]");
+              "panel_linear: q must be contiguous int8 [N / 16, K, 16]");
+  for (const at::Tensor* t : {&scales, offsets ? &*offsets : &scales}) {
+    TORCH_CHECK(t->dim() == 3 && t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                    t->size(0) == P && t->size(1) == K / kGroup && t->size(2) == kPanel,
+                "panel_linear: scales and offsets must be contiguous float32 "
+                "[N / 16, K / 16, 16]");
+  }
   TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.stride(1) == 1 &&
                   out.size(0) == M && out.size(1) == N,
-              "q8_panel_linear: out must be float32 [M, N]");
+              "panel_linear: out must be float32 [M, N]");
   const float* xp = x.data_ptr<float>();
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
+  const float* mp = offsets ? offsets->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
-  const int64_t xs = x.stride(0), os = out.stride(0);
+  const int64_t xs = x.stride(0), os = out.stride(0), groups = K / kGroup;
   // x transposed in blocks of kRows rows, [M / kRows][K][kRows]: read by every panel.
   const int64_t blocks = (M + kRows - 1) / kRows;
   std::vector<float> xt(blocks * K * kRows, 0.0f);
@@ -144,12 +151,13 @@ void q8_panel_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
     for (int64_t p = begin; p < end; ++p) {
       for (int64_t lane = 0; lane < kPanel; lane += kW) {
         const int8_t* qv = qp + p * K * kPanel + lane;
-        const float* sv = sp + p * (K / kBlock) * kPanel + lane;
+        const float* sv = sp + p * groups * kPanel + lane;
+        const float* mv = mp ? mp + p * groups * kPanel + lane : nullptr;
         for (int64_t b = 0; b < blocks; ++b) {
           const int64_t r = b * kRows;
           panel_rows_any(static_cast<int>(std::min<int64_t>(kRows, M - r)),
-                         xt.data() + b * K * kRows, qv, sv, K, op + r * os + p * kPanel + lane,
-                         os);
+                         xt.data() + b * K * kRows, qv, sv, mv, K,
+                         op + r * os + p * kPanel + lane, os);
         }
       }
     }
@@ -159,9 +167,9 @@ void q8_panel_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
 }  // namespace nanoserve
 
 TORCH_LIBRARY_FRAGMENT(NANOSERVE_NS, m) {
-  m.def("q8_panel_linear(Tensor x, Tensor q, Tensor scales, Tensor(a!) out) -> ()");
+  m.def("panel_linear(Tensor x, Tensor q, Tensor scales, Tensor? offsets, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(NANOSERVE_NS, CPU, m) {
-  m.impl("q8_panel_linear", &nanoserve::q8_panel_linear);
+  m.impl("panel_linear", &nanoserve::panel_linear);
 }

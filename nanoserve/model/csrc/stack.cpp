@@ -32,19 +32,41 @@ using OptionalTensors = c10::List<std::optional<at::Tensor>>;
 // The four projections of a layer, in the order of `counts`: qkv, o, gate_up, down.
 constexpr int kProjections = 4;
 
-// One projection: x [T, K] times each piece's blocks into its columns of out [T, N].
+// A piece's panels (panels.cpp), where it has them.
+struct PanelLists {
+  const OptionalTensors& q;
+  const OptionalTensors& scales;
+  const OptionalTensors& offsets;
+  int64_t from;  // rows from which they run; 0: never
+};
+
+// One projection: x [T, K] times each piece's blocks (or, from `panels.from` rows, its
+// panels) into its columns of out [T, N].
 struct Pieces {
   at::TensorList blocks;
   const std::vector<std::string>& formats;
+  PanelLists panels;
   std::vector<int64_t> first;  // index of each (layer, projection)'s first piece, and the end
 
-  Pieces(at::TensorList b, const std::vector<std::string>& f, at::IntArrayRef counts)
-      : blocks(b), formats(f) {
+  Pieces(at::TensorList b, const std::vector<std::string>& f, at::IntArrayRef counts,
+         PanelLists pl)
+      : blocks(b), formats(f), panels(pl) {
     first.push_back(0);
     for (const int64_t c : counts) first.push_back(first.back() + c);
     TORCH_CHECK(first.back() == static_cast<int64_t>(blocks.size()) &&
-                    blocks.size() == formats.size(),
-                "decode_stack: piece counts, blocks and formats disagree");
+                    blocks.size() == formats.size() && panels.q.size() == blocks.size() &&
+                    panels.scales.size() == blocks.size() &&
+                    panels.offsets.size() == blocks.size(),
+                "decode_stack: piece counts, blocks, formats and panels disagree");
+  }
+
+  void piece(int64_t p, const at::Tensor& x, const at::Tensor& out) const {
+    const std::optional<at::Tensor> q = panels.q.get(p);
+    if (panels.from > 0 && x.size(0) >= panels.from && q.has_value()) {
+      nanoserve::panel_linear(x, *q, *panels.scales.get(p), panels.offsets.get(p), out);
+    } else {
+      nanoserve::quant_linear(x, blocks[p], formats[p], out);
+    }
   }
 
   // The output columns of (layer, projection): every piece's rows.
@@ -58,13 +80,13 @@ struct Pieces {
   void run(int64_t layer, int projection, const at::Tensor& x, const at::Tensor& out) const {
     const int64_t i = layer * kProjections + projection;
     if (first[i + 1] - first[i] == 1) {  // one format: straight into out
-      nanoserve::quant_linear(x, blocks[first[i]], formats[first[i]], out);
+      piece(first[i], x, out);
       return;
     }
     int64_t col = 0;
     for (int64_t p = first[i]; p < first[i + 1]; ++p) {
       const int64_t n = blocks[p].size(0);
-      nanoserve::quant_linear(x, blocks[p], formats[p], out.narrow(1, col, n));
+      piece(p, x, out.narrow(1, col, n));
       col += n;
     }
     TORCH_CHECK(col == out.size(1), "decode_stack: a projection's pieces miss its columns");
@@ -85,7 +107,8 @@ at::Tensor decode_stack(
     const OptionalTensors& post_attn_norm, const OptionalTensors& post_mlp_norm,
     const OptionalTensors& qkv_bias, const OptionalTensors& q_norm,
     const OptionalTensors& k_norm, at::TensorList blocks, std::vector<std::string> formats,
-    at::IntArrayRef counts, const at::Tensor& cache, const at::Tensor& cos,
+    at::IntArrayRef counts, const OptionalTensors& panel_q, const OptionalTensors& panel_scales,
+    const OptionalTensors& panel_offsets, int64_t panel_from, const at::Tensor& cache, const at::Tensor& cos,
     const at::Tensor& sin, const std::optional<at::Tensor>& local_cos,
     const std::optional<at::Tensor>& local_sin, at::IntArrayRef local_rope,
     at::IntArrayRef windows, const at::Tensor& positions, const at::Tensor& slot_mapping,
@@ -104,7 +127,8 @@ at::Tensor decode_stack(
                   cache.dim() == 5 && cache.size(0) == layers,
               "decode_stack: one entry per layer in every list (or none), four piece counts "
               "a layer, and a [L, 2, slots, KV, D] cache");
-  const Pieces proj(blocks, formats, counts);
+  const Pieces proj(blocks, formats, counts,
+                    PanelLists{panel_q, panel_scales, panel_offsets, panel_from});
   const auto opts = x.options();
   const int64_t qkv_cols = (heads + 2 * kv_heads) * head_dim;
   at::Tensor h = at::empty({T, hidden}, opts);
@@ -155,7 +179,8 @@ TORCH_LIBRARY_FRAGMENT(NANOSERVE_NS, m) {
   m.def(
       "decode_stack(Tensor(a!) x, Tensor[] attn_norm, Tensor[] mlp_norm, "
       "Tensor?[] post_attn_norm, Tensor?[] post_mlp_norm, Tensor?[] qkv_bias, Tensor?[] q_norm, "
-      "Tensor?[] k_norm, Tensor[] blocks, str[] formats, int[] counts, Tensor(b!) cache, "
+      "Tensor?[] k_norm, Tensor[] blocks, str[] formats, int[] counts, Tensor?[] panel_q, "
+      "Tensor?[] panel_scales, Tensor?[] panel_offsets, int panel_from, Tensor(b!) cache, "
       "Tensor cos, Tensor sin, Tensor? local_cos, Tensor? local_sin, int[] local_rope, "
       "int[] windows, Tensor positions, Tensor slot_mapping, Tensor rows, Tensor block_tables, "
       "Tensor context_lens, int block_size, int heads, int kv_heads, int head_dim, float scale, "
