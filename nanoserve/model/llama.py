@@ -208,10 +208,10 @@ class LlamaModel:
         window = windowed.native.window if windowed is not None and windowed.native else 0
         windows = [window if i in plan.window_layers else 0 for i in range(c.num_layers)]
         m: torch.Tensor = self.kernels.ops.decode_stack(
-            x, *s.args(), self._cache(), plan.cos, plan.sin, plan.local_cos, plan.local_sin,
-            s.local_rope, windows, plan.positions, plan.slot_mapping, n.rows, n.block_tables,
-            n.context_lens, self.block_size, c.num_heads, c.num_kv_heads, c.head_dim,
-            c.attention_scale, c.rms_norm_eps, c.gelu_mlp)
+            x, *s.args(x.shape[0]), self._cache(), plan.cos, plan.sin, plan.local_cos,
+            plan.local_sin, s.local_rope, windows, plan.positions, plan.slot_mapping, n.rows,
+            n.block_tables, n.context_lens, self.block_size, c.num_heads, c.num_kv_heads,
+            c.head_dim, c.attention_scale, c.rms_norm_eps, c.gelu_mlp)
         return m
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:

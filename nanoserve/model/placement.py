@@ -154,12 +154,15 @@ class DecodeStack:
     panel_offsets: list[torch.Tensor | None]
     panel_from: int
 
-    def args(self) -> tuple[object, ...]:
-        """The op's weight arguments, in its order (after x)."""
+    def args(self, rows: int) -> tuple[object, ...]:
+        """The op's weight arguments for a step of `rows` rows, in its order (after x). The
+        panels only where they run: below panel_from rows their lists are left empty, not
+        converted for nothing on every batch-1 step."""
+        on = 0 < self.panel_from <= rows
         return (self.attn_norm, self.mlp_norm, self.post_attn_norm, self.post_mlp_norm,
                 self.qkv_bias, self.q_norm, self.k_norm, self.blocks, self.formats,
-                self.counts, self.panel_q, self.panel_scales, self.panel_offsets,
-                self.panel_from)
+                self.counts, *((self.panel_q, self.panel_scales, self.panel_offsets)
+                               if on else ([], [], [])), self.panel_from)
 
 
 def decode_stack_weights(layers: list[LayerWeights], usable: bool) -> DecodeStack | None:

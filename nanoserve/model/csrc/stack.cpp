@@ -53,15 +53,16 @@ struct Pieces {
       : blocks(b), formats(f), panels(pl) {
     first.push_back(0);
     for (const int64_t c : counts) first.push_back(first.back() + c);
+    const size_t n = panels.q.empty() ? 0 : blocks.size();  // none: no panels at all
     TORCH_CHECK(first.back() == static_cast<int64_t>(blocks.size()) &&
-                    blocks.size() == formats.size() && panels.q.size() == blocks.size() &&
-                    panels.scales.size() == blocks.size() &&
-                    panels.offsets.size() == blocks.size(),
+                    blocks.size() == formats.size() && panels.q.size() == n &&
+                    panels.scales.size() == n && panels.offsets.size() == n,
                 "decode_stack: piece counts, blocks, formats and panels disagree");
   }
 
   void piece(int64_t p, const at::Tensor& x, const at::Tensor& out) const {
-    const std::optional<at::Tensor> q = panels.q.get(p);
+    const std::optional<at::Tensor> q =
+        panels.q.empty() ? std::nullopt : panels.q.get(p);
     if (panels.from > 0 && x.size(0) >= panels.from && q.has_value()) {
       nanoserve::panel_linear(x, *q, *panels.scales.get(p), panels.offsets.get(p), out);
     } else {
