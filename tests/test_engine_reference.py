@@ -37,6 +37,11 @@ def test_each_prompt_alone_matches_the_reference(
     smollm2_model = smollm2_any
     cases = load_reference()
     assert len(cases) >= 20
+    if smollm2_model.stack is None:
+        # float32 weights (no decode stack): every other prompt alone, the suite's time;
+        # the batched test below runs every prompt on them, and the quantized model, the
+        # default, takes every prompt alone.
+        cases = cases[::2]
     tok = Tokenizer.from_folder(smollm2_folder)
     cfg = EngineConfig(block_size=16, num_blocks=64, max_model_len=1024, prefix_caching=False)
     engine = Engine(smollm2_model, tok, cfg)

@@ -2,8 +2,9 @@
 
 On the stub (whose logits are noise, the hardest case for a constraint): every completion
 that stops validates, free neighbours keep their tokens, n > 1 siblings and preempted
-requests keep to the constraint, max_tokens mid-structure is `length`. On SmolLM2: 200
-requests over 10 JSON schemas at temperature 0.8, every `stop` validating (jsonschema)."""
+requests keep to the constraint, max_tokens mid-structure is `length`. On SmolLM2: 60
+requests over 10 JSON schemas at temperature 0.8, every `stop` validating (jsonschema) (the
+structured-outputs issue's 200 were run with N_REAL = 200: a benchmark's size, not a test's)."""
 
 from __future__ import annotations
 
@@ -158,15 +159,19 @@ def test_a_constraint_that_does_not_compile_is_a_param_error_naming_its_field(
     assert err.value.field == "guided_regex"
 
 
+N_REAL = 60  # constrained requests on SmolLM2, 6 per schema
+
+
 @pytest.mark.real
-def test_smollm2_200_requests_over_10_schemas_validate(smollm2_quantized: Any,
+def test_smollm2_60_requests_over_10_schemas_validate(smollm2_quantized: Any,
                                                        tok: Any) -> None:
     engine = Engine(smollm2_quantized, tok, EngineConfig(max_model_len=1024, num_blocks=512,
                                                          max_num_seqs=64))
     prompts = [tok.apply_chat_template([{"role": "user", "content": (
         f"Reply with a JSON object for this schema: {json.dumps(s)}")}],
         add_generation_prompt=True) for s in SCHEMAS]
-    ids = [engine.add_request(prompts[i % 10], _params(i, max_tokens=80)) for i in range(200)]
+    ids = [engine.add_request(prompts[i % 10], _params(i, max_tokens=80))
+           for i in range(N_REAL)]
     regex, choice = _regex_and_choice(engine, "A ticket id:", r"[A-Z]{3}-[0-9]{4}",
                                       ["yes", "no", "not sure"], 20)
     free = SamplingParams(temperature=0.8, seed=99, max_tokens=24)
@@ -184,8 +189,8 @@ def test_smollm2_200_requests_over_10_schemas_validate(smollm2_quantized: Any,
     alone = Engine(smollm2_quantized, tok, EngineConfig(max_model_len=1024, num_blocks=512))
     rid = alone.add_request(prompts[0], free)
     assert tokens(drain(alone))[rid] == got[free_id]
-    print(f"SmolLM2: {stopped} of 200 constrained completions stopped, every one valid")
-    assert stopped >= 150
+    print(f"SmolLM2: {stopped} of {N_REAL} constrained completions stopped, every one valid")
+    assert stopped >= N_REAL * 3 // 4
 
 
 # No finite JSON value satisfies these: each one's required property (or item) holds

@@ -1,21 +1,38 @@
-"""A Q8_0 LM head repacked into panels of 16 output rows (csrc/panels.cpp), for the decode
-steps of many sequences.
+"""Quantized weights repacked into panels of 16 output rows (csrc/panels.cpp), for steps of
+more than a few rows: decode at many sequences, and prefill.
 
-The head is the largest multiply of a step with a large vocabulary: Gemma 3 270M's is
-262,144 x 640 in Q8_0, 168 M weights against the layers' 100 M, and at 16 rows it took more
-than half of a decode step through the tile kernel (quant.cpp). Laid out as panels, 16 rows'
-weights side by side per k, the same values run at sgemm's speed. scripts/bench_kernels.py
---format q8_0 --head, ms for Gemma's head alone, tile kernel against panels, in one run:
+quant.cpp's tile kernel takes a GGUF row's blocks as they lie and reduces each output's
+vector of partial sums at the end; from a few rows on, the reductions and its L1 buffer are a
+third of the work. As panels, every weight taken apart into its int8 quant and its group's
+scale and offset (model/unpack.py: exact, w = s * q + o as gguf-py computes it) and 16 rows'
+quants side by side per k, the same values run at sgemm's speed. Measured on Gemma 3 270M
+Q4_K_M (AVX-512 host, one run each, the kernels against panels):
 
-    rows          1     4     5     8     9    16    32    64
-    AVX-512    6.5  10.6  14.1  24.2  35.4  40.9  70.7   127   (tile)
-               9.2  10.7  13.1  16.5  16.5  27.0  54.2   113   (panels)
-    AVX2       7.3  11.5          27.4  27.9  38.7  65.6         (tile)
-              14.8  16.4          20.4  20.6  37.6  64.4         (panels)
+- the LM head (262,144 x 640, Q8_0: 168 M weights against the layers' 100 M), ms:
 
-so panels take over from PANEL_FROM_ROWS rows, on the instruction sets measured. The panels
-are a copy beside the blocks (which fewer rows and the embedding lookup still read): one
-byte per weight and a float32 scale per 32, 189 MB for Gemma's head.
+      rows          1     4     5     8     9    16    32    64
+      AVX-512    6.5  10.6  14.1  24.2  35.4  40.9  70.7   127   (tile)
+                 9.2  10.7  13.1  16.5  16.5  27.0  54.2   113   (panels)
+      AVX2       7.3  11.5          27.4  27.9  38.7  65.6         (tile)
+                14.8  16.4          20.4  20.6  37.6  64.4         (panels)
+
+- the 18 layers' projections (Q5_0, Q8_0, Q4_K, Q6_K), ms, kernels (dequantize + sgemm from
+  128 rows) against panels:
+
+      rows          5     8    16    32    64   128   512
+      AVX-512    11.2  17.2  25.3  42.4  74.8   172   561
+                 10.6  13.1  20.0  37.3  71.8   144   564
+      AVX2             19.2  25.2  40.6  72.3   175   554
+                       15.1  26.4  44.3  86.8   167   662
+
+so panels run the rows of PANEL_ROWS, by instruction set: on AVX-512 from 5 rows up (at
+512 they tie dequantize + sgemm, and spare its scratch matrix); on AVX2 only up to 12, the
+rows one pass of its 16 registers holds (each further pass dequantizes the weights again).
+Batch-1
+decode keeps the blocks (it reads every weight byte once: panels, a byte per weight, read
+more). The panels are a copy beside the blocks (which fewer rows and the embedding lookup
+still read): a byte per weight and 4 or 8 bytes per 16, 320 MB for Gemma 3 270M's head and
+layers. F16 and BF16 weights have none.
 """
 
 from __future__ import annotations
@@ -28,9 +45,9 @@ import torch
 from nanoserve.model import unpack
 
 PANEL = 16  # output rows side by side (csrc/panels.cpp's kPanel)
-# From this many rows of x a weight runs on its panels, by instruction set; the generic
-# build has no figures (it keeps no quantized weights under auto), so none there.
-PANEL_FROM_ROWS = {"avx512": 5, "avx2": 8}
+# The rows of x a weight runs on its panels at, by instruction set; the generic build has
+# no figures (it keeps no quantized weights under auto), so none there.
+PANEL_ROWS = {"avx512": range(5, 1 << 62), "avx2": range(8, 13)}
 
 
 @dataclass(frozen=True, slots=True)

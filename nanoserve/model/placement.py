@@ -147,22 +147,22 @@ class DecodeStack:
     formats: list[str]
     counts: list[int]
     local_rope: list[int]  # 1 where the layer rotates by the local RoPE table
-    # Each piece's panels (model/panels.py), None where it has none, and the rows from
-    # which they run (0: never).
+    # Each piece's panels (model/panels.py), None where it has none, and the row counts
+    # they run at.
     panel_q: list[torch.Tensor | None]
     panel_scales: list[torch.Tensor | None]
     panel_offsets: list[torch.Tensor | None]
-    panel_from: int
+    panel_rows: range
 
     def args(self, rows: int) -> tuple[object, ...]:
         """The op's weight arguments for a step of `rows` rows, in its order (after x). The
-        panels only where they run: below panel_from rows their lists are left empty, not
-        converted for nothing on every batch-1 step."""
-        on = 0 < self.panel_from <= rows
+        panels only where they run (`rows` in panel_rows); elsewhere their lists are left
+        empty, not converted for nothing on every batch-1 step."""
+        on = rows in self.panel_rows
         return (self.attn_norm, self.mlp_norm, self.post_attn_norm, self.post_mlp_norm,
                 self.qkv_bias, self.q_norm, self.k_norm, self.blocks, self.formats,
                 self.counts, *((self.panel_q, self.panel_scales, self.panel_offsets)
-                               if on else ([], [], [])), self.panel_from)
+                               if on else ([], [], [])), self.panel_rows.start if on else 0)
 
 
 def decode_stack_weights(layers: list[LayerWeights], usable: bool) -> DecodeStack | None:
@@ -177,7 +177,7 @@ def decode_stack_weights(layers: list[LayerWeights], usable: bool) -> DecodeStac
     quant = [cast(QuantProj, p) for p in projs]
     pieces = [w for p in quant for _, w in p.weight.pieces()]
     panels = [pan for p in quant for pan in (p.panels or [None] * len(p.pieces))]
-    panel_from = {p.panel_from for p in quant if p.panels}
+    panel_rows = {p.panel_rows for p in quant if p.panels}
 
     def optional(get: Callable[[LayerWeights], torch.Tensor | None]
                  ) -> list[torch.Tensor | None]:
@@ -196,4 +196,4 @@ def decode_stack_weights(layers: list[LayerWeights], usable: bool) -> DecodeStac
         panel_q=[p.q if p else None for p in panels],
         panel_scales=[p.scales if p else None for p in panels],
         panel_offsets=[p.offsets if p else None for p in panels],
-        panel_from=panel_from.pop() if len(panel_from) == 1 else 0)
+        panel_rows=panel_rows.pop() if len(panel_rows) == 1 else range(0))

@@ -29,7 +29,7 @@ import torch
 from nanoserve.model import native
 from nanoserve.model.int8 import INT8_FROM_ROWS, Int8Weight
 from nanoserve.model.native import Kernels
-from nanoserve.model.panels import PANEL_FROM_ROWS, Panels
+from nanoserve.model.panels import PANEL_ROWS, Panels
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,10 +218,10 @@ class QuantProj:
     DENSE_FROM_ROWS rows, the whole weight dequantized into `scratch` for MKL's sgemm from
     there. Either way the weights are the same values; only the order of additions differs.
     `int8` (model/int8.py, opt-in) takes over from INT8_FROM_ROWS rows, and the panels
-    (model/panels.py, `with_panels`) from `panel_from` rows below that."""
+    (model/panels.py, `with_panels`) at the row counts of `panel_rows` below that."""
 
     __slots__ = ("weight", "scratch", "ops", "dense_from", "kernels", "int8", "pieces",
-                 "panels", "panel_from")
+                 "panels", "panel_rows")
 
     def __init__(self, weight: QuantWeight, scratch: Scratch | None = None,
                  kernels: Kernels | None = None) -> None:
@@ -234,17 +234,17 @@ class QuantProj:
         self.int8: Int8Weight | None = None
         self.pieces = weight.pieces()  # once, not on every call of a decode step
         self.panels: tuple[Panels, ...] = ()  # one per piece, or none
-        self.panel_from = 0
+        self.panel_rows = range(0)
 
     def with_panels(self) -> QuantProj:
-        """This projection on panels from PANEL_FROM_ROWS rows, where its instruction set
+        """This projection on panels at the rows of PANEL_ROWS, where its instruction set
         has them and every piece can be laid out as panels; else as it was."""
-        if self.kernels.isa not in PANEL_FROM_ROWS:
+        if self.kernels.isa not in PANEL_ROWS:
             return self
         panels = [Panels.of(p.format, p.blocks, p.cols) for _, p in self.pieces]
         if all(p is not None for p in panels):
             self.panels = tuple(p for p in panels if p is not None)
-            self.panel_from = PANEL_FROM_ROWS[self.kernels.isa]
+            self.panel_rows = PANEL_ROWS[self.kernels.isa]
         return self
 
     def dense_weight(self) -> torch.Tensor:
@@ -256,7 +256,7 @@ class QuantProj:
             return self.int8(x)
         if x.stride(-1) != 1:
             x = x.contiguous()
-        if self.panels and x.shape[0] >= self.panel_from:
+        if self.panels and x.shape[0] in self.panel_rows:
             out = torch.empty(x.shape[0], w.rows, dtype=torch.float32, device=x.device)
             for (r, p), panels in zip(self.pieces, self.panels, strict=True):
                 panels(self.ops, x, out[:, r: r + p.rows])

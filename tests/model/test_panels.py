@@ -2,7 +2,7 @@
 taken apart and laid out 16 output rows side by side hold exactly gguf-py's values; the
 multiply equals a float32 matmul over them up to the order of additions at every row count
 and remainder of the kernel's row blocks, in each instruction set's build; and a projection
-runs on them from PANEL_FROM_ROWS rows, the LM head and the layers of a real model too."""
+runs on them at the row counts of PANEL_ROWS, the LM head and the layers of a real model too."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from support.native_check import ISA_PARAMS, kernels_for
 from test_quant_formats import random_weight, reference
 
 from nanoserve.model import native
-from nanoserve.model.panels import PANEL, PANEL_FROM_ROWS, Panels
+from nanoserve.model.panels import PANEL, PANEL_ROWS, Panels
 from nanoserve.model.quant import QuantProj, QuantWeight
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="needs the native kernels")
@@ -76,8 +76,8 @@ def test_the_panel_multiply_is_a_matmul_over_the_same_values(fmt: str, rows: int
     assert torch.equal(p(k.ops, x[rows - 1:].contiguous())[0], got[rows - 1])
 
 
-@pytest.mark.parametrize("isa", [i for i in ISA_PARAMS if i.values[0] in PANEL_FROM_ROWS])
-def test_a_projection_runs_on_its_panels_from_the_threshold(
+@pytest.mark.parametrize("isa", [i for i in ISA_PARAMS if i.values[0] in PANEL_ROWS])
+def test_a_projection_runs_on_its_panels_at_their_row_counts(
         isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
     k = kernels_for(isa)
     # a fused weight whose parts differ in format: each part's panels into its columns
@@ -85,7 +85,8 @@ def test_a_projection_runs_on_its_panels_from_the_threshold(
                                                                           seed=6)]
     proj = QuantProj(QuantWeight.cat(parts), kernels=k).with_panels()
     assert len(proj.panels) == 2
-    assert proj.panel_from == PANEL_FROM_ROWS[isa]
+    rows = PANEL_ROWS[isa]
+    assert proj.panel_rows == rows
     calls: list[int] = []
     original = Panels.__call__
 
@@ -95,10 +96,12 @@ def test_a_projection_runs_on_its_panels_from_the_threshold(
 
     monkeypatch.setattr(Panels, "__call__", counted)
     ref = torch.cat([reference(p) for p in parts]).double()
-    for rows in (1, proj.panel_from - 1, proj.panel_from, 200):
-        x = torch.randn(rows, 256)
+    probes = [1, rows.start - 1, rows.start, 200] + ([rows.stop - 1, rows.stop]
+                                                      if rows.stop <= 200 else [])
+    for m in probes:
+        x = torch.randn(m, 256)
         assert ((proj(x).double() - x.double() @ ref.t()).abs() < 1e-3).all()
-    assert calls == [proj.panel_from] * 2 + [200] * 2
+    assert calls == [m for m in probes if m in rows for _ in range(2)]  # both pieces
     # a piece without panels (F16) keeps the whole projection on its kernels
     mixed = QuantProj(QuantWeight.cat([parts[1], random_weight("f16", PANEL, 256, seed=7)]),
                       kernels=k).with_panels()
@@ -108,5 +111,5 @@ def test_a_projection_runs_on_its_panels_from_the_threshold(
 def test_the_embedded_model_runs_on_panels(smollm2_quantized: Any) -> None:
     m = smollm2_quantized
     projs = [m.lm_head, *(p for ly in m.layers for p in (ly.qkv, ly.o, ly.gate_up, ly.down))]
-    on = m.lm_head.kernels.isa in PANEL_FROM_ROWS
+    on = m.lm_head.kernels.isa in PANEL_ROWS
     assert all(isinstance(p, QuantProj) and bool(p.panels) == on for p in projs)

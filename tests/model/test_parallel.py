@@ -182,14 +182,15 @@ def test_smollm2_refuses_sizes_its_heads_do_not_divide(smollm2_folder: Any) -> N
 
 def test_tp3_greedy_tokens_and_logits_match_one_process(
         smollm2_quantized: LlamaModel, tok: Any) -> None:
-    """The reference prompts, all in one batch: the same greedy continuations as the
-    reference (up to a near tie) and prompt logits within 1e-3 of the one-process model."""
+    """Every third reference prompt (9, the 500-token one among them), in one batch: the same
+    greedy continuations as the reference (up to a near tie) and prompt logits within 1e-3
+    of the one-process model. (All 25 took 39 s of the suite on 2 cores for 3 ranks.)"""
     with _group(3) as tp3:
         _compare_tp3(tp3, smollm2_quantized, tok)
 
 
 def _compare_tp3(tp3: TensorParallelModel, tp1: LlamaModel, tok: Any) -> None:
-    cases = load_reference()
+    cases = load_reference()[::3]
     config = EngineConfig(num_blocks=256, max_num_seqs=32, max_num_batched_tokens=2048,
                           max_model_len=1024)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)

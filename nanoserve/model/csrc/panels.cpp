@@ -1,5 +1,5 @@
-// A Q8_0 weight repacked for many rows of x at once: the LM head of a decode step at 9 to a
-// few hundred rows.
+// Quantized weights repacked for many rows of x at once: every projection and the LM head at
+// 5 rows or more (model/panels.py has the thresholds and the figures).
 //
 // quant.cpp's tile kernel takes a GGUF row's blocks as they lie: each output is a dot product
 // of a weight row with a row of x, kept as a vector of partial sums and reduced across its
@@ -7,17 +7,18 @@
 // (262,144 x 640, Q8_0) at 16 rows that ran at 132 GFLOP/s, where float32 sgemm on a cached
 // matrix runs at 190: the reductions and the buffer were a third of the work.
 //
-// Here the weight is laid out the other way round, once, at load (quant.py's Q8Panels): 16
-// output rows side by side, a panel, [N / 16][K][16] int8, and their scales
-// [N / 16][K / 32][16] float32 (the f16 d of each row's block, exact). One k of a panel is
-// then 16 outputs' weights in one vector (two on AVX2): dequantized in registers (a widening
-// and a multiply by the block's scales) and multiplied by x[r][k] broadcast, for R rows of x
-// at a time, R accumulators that are already the outputs: no reduction, no buffer. Each
-// output is one chain of fused multiply-adds over k in order.
+// Here a weight is laid out the other way round, once, at load (model/unpack.py takes any
+// block format apart): 16 output rows side by side, a panel, [N / 16][K][16] int8 quants,
+// and each group of 16 weights' scale and offset, [N / 16][K / 16][16] float32 (offsets
+// absent for the symmetric formats). One k of a panel is then 16 outputs' weights in one
+// vector (two on AVX2): dequantized in registers (a widening, a multiply by the group's
+// scales, an add of its offsets) and multiplied by x[r][k] broadcast, for R rows of x at a
+// time, R accumulators that are already the outputs: no reduction, no buffer. Each output
+// is one chain of fused multiply-adds over k in order.
 //
-// The weights are exactly quant.cpp's (d * q, exact in float32), so only the order of the
-// additions differs from the tile kernel's; a row's outputs do not depend on which rows
-// share its step.
+// The weights are exactly quant.cpp's (s * q exact in float32, then the one rounding of the
+// offset's addition, as gguf-py), so only the order of the additions differs from the tile
+// kernel's; a row's outputs do not depend on which rows share its step.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
