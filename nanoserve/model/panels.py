@@ -30,7 +30,7 @@ so panels run the rows of PANEL_ROWS, by instruction set: on AVX-512 from 5 rows
 rows one pass of its 16 registers holds (each further pass dequantizes the weights again).
 Batch-1 decode keeps the blocks (it reads every weight byte once: panels, a byte per weight,
 read more). The panels are a copy beside the blocks (which fewer rows and the embedding lookup
-still read): a byte per weight and 4 or 8 bytes per 16, 320 MB for Gemma 3 270M's head and
+still read): a byte per weight and 4 or 8 bytes per 16, 341 MB for Gemma 3 270M's head and
 layers. F16 and BF16 weights have none.
 """
 
