@@ -162,7 +162,7 @@ class DecodeStack:
         return (self.attn_norm, self.mlp_norm, self.post_attn_norm, self.post_mlp_norm,
                 self.qkv_bias, self.q_norm, self.k_norm, self.blocks, self.formats,
                 self.counts, *((self.panel_q, self.panel_scales, self.panel_offsets)
-                               if on else ([], [], [])), self.panel_rows.start if on else 0)
+                               if on else ([], [], [])))
 
 
 def decode_stack_weights(layers: list[LayerWeights], usable: bool) -> DecodeStack | None:
@@ -177,7 +177,6 @@ def decode_stack_weights(layers: list[LayerWeights], usable: bool) -> DecodeStac
     quant = [cast(QuantProj, p) for p in projs]
     pieces = [w for p in quant for _, w in p.weight.pieces()]
     panels = [pan for p in quant for pan in (p.panels or [None] * len(p.pieces))]
-    panel_rows = {p.panel_rows for p in quant if p.panels}
 
     def optional(get: Callable[[LayerWeights], torch.Tensor | None]
                  ) -> list[torch.Tensor | None]:
@@ -196,4 +195,5 @@ def decode_stack_weights(layers: list[LayerWeights], usable: bool) -> DecodeStac
         panel_q=[p.q if p else None for p in panels],
         panel_scales=[p.scales if p else None for p in panels],
         panel_offsets=[p.offsets if p else None for p in panels],
-        panel_rows=panel_rows.pop() if len(panel_rows) == 1 else range(0))
+        # one instruction set's kernels run every projection, so one range for all
+        panel_rows=next((p.panel_rows for p in quant if p.panels), range(0)))

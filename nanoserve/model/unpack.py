@@ -116,11 +116,10 @@ def _q6_k(b: np.ndarray) -> Unpacked:
     return q.reshape(*b.shape[:-1], 256), (d[..., None] * sc).reshape(b.shape[0], -1), None
 
 
-# format -> (bytes of a block, weights of a block, its unpacker)
-_FORMATS: dict[str, tuple[int, int, Callable[[np.ndarray], Unpacked]]] = {
-    "q8_0": (34, 32, _q8_0), "q4_0": (18, 32, _q4_0), "q4_1": (20, 32, _q4_1),
-    "q5_0": (22, 32, _q5_0), "q5_1": (24, 32, _q5_1),
-    "q4_k": (144, 256, _q4_k), "q5_k": (176, 256, _q5_k), "q6_k": (210, 256, _q6_k),
+# format -> (weights of a block, its unpacker); a block's bytes follow from a row's
+_FORMATS: dict[str, tuple[int, Callable[[np.ndarray], Unpacked]]] = {
+    "q8_0": (32, _q8_0), "q4_0": (32, _q4_0), "q4_1": (32, _q4_1), "q5_0": (32, _q5_0),
+    "q5_1": (32, _q5_1), "q4_k": (256, _q4_k), "q5_k": (256, _q5_k), "q6_k": (256, _q6_k),
 }
 FORMATS = frozenset(_FORMATS)
 
@@ -128,8 +127,8 @@ FORMATS = frozenset(_FORMATS)
 def unpack(fmt: str, blocks: np.ndarray, cols: int) -> Unpacked:
     """uint8 blocks [N, row bytes] of a weight [N, cols] in `fmt` -> q int8 [N, cols],
     s float32 [N, cols / 16], o float32 [N, cols / 16] or None (a symmetric format)."""
-    size, per, fn = _FORMATS[fmt]
-    n = blocks.shape[0]
-    q, s, o = fn(blocks.reshape(n, cols // per, size))
+    per, fn = _FORMATS[fmt]
+    n, nb = blocks.shape[0], cols // per
+    q, s, o = fn(blocks.reshape(n, nb, blocks.shape[1] // nb))
     return (np.ascontiguousarray(q.reshape(n, cols)), s.reshape(n, cols // GROUP),
             None if o is None else o.reshape(n, cols // GROUP))

@@ -51,21 +51,6 @@ constexpr int kRows = 16;
 constexpr int kRows = 12;
 #endif
 
-// kW int8 quants (one k of kW outputs) as floats.
-NS_INLINE vf widen(const int8_t* p) {
-#if defined(NANOSERVE_AVX512)
-  return (vf)_mm512_cvtepi32_ps(
-      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-#elif defined(NANOSERVE_AVX2)
-  return (vf)_mm256_cvtepi32_ps(
-      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-#else
-  vf w;
-  for (int l = 0; l < kW; ++l) w[l] = static_cast<float>(p[l]);
-  return w;
-#endif
-}
-
 // x with every k's value in one broadcast.
 NS_INLINE vf splat(float v) {
 #if defined(NANOSERVE_AVX512)
@@ -94,7 +79,8 @@ void panel_rows(const float* xt, const int8_t* q, const float* s, const float* o
     const float* xg = xt + kg * kRows;
 #pragma GCC unroll 4
     for (int64_t k = 0; k < kGroup; ++k) {
-      const vf w = kOffset ? widen(qg + k * kPanel) * d + m : widen(qg + k * kPanel) * d;
+      const vf q = nanoserve::int8_lanes(qg + k * kPanel);
+      const vf w = kOffset ? q * d + m : q * d;
       for (int r = 0; r < R; ++r) a[r] += splat(xg[k * kRows + r]) * w;
     }
   }

@@ -158,21 +158,8 @@ NS_INLINE void nibbles(const uint8_t* qs, vf (&w)[kPer]) {
 }
 
 NS_INLINE void int8s(const uint8_t* p, vf (&w)[kPer]) {
-#if defined(NANOSERVE_AVX512)
-  for (int j = 0; j < kPer; ++j) {
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * j));
-    w[j] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
-  }
-#elif defined(NANOSERVE_AVX2)
-  for (int j = 0; j < kPer; ++j) {
-    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * j));
-    w[j] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
-  }
-#else
-  for (int j = 0; j < kPer; ++j) {
-    for (int l = 0; l < kW; ++l) w[j][l] = static_cast<float>(static_cast<int8_t>(p[j * kW + l]));
-  }
-#endif
+  const int8_t* q = reinterpret_cast<const int8_t*>(p);
+  for (int j = 0; j < kPer; ++j) w[j] = nanoserve::int8_lanes(q + j * kW);
 }
 
 // kW bytes from p, each zero-extended to a 32-bit lane (the load folds into the widening).

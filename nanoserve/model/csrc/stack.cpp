@@ -32,16 +32,16 @@ using OptionalTensors = c10::List<std::optional<at::Tensor>>;
 // The four projections of a layer, in the order of `counts`: qkv, o, gate_up, down.
 constexpr int kProjections = 4;
 
-// A piece's panels (panels.cpp), where it has them.
+// Each piece's panels (panels.cpp), None where it has none; all three lists empty where the
+// step does not run on panels (the caller decides by its row count).
 struct PanelLists {
   const OptionalTensors& q;
   const OptionalTensors& scales;
   const OptionalTensors& offsets;
-  int64_t from;  // rows from which they run; 0: never
 };
 
-// One projection: x [T, K] times each piece's blocks (or, from `panels.from` rows, its
-// panels) into its columns of out [T, N].
+// One projection: x [T, K] times each piece's panels, where given, or its blocks into its
+// columns of out [T, N].
 struct Pieces {
   at::TensorList blocks;
   const std::vector<std::string>& formats;
@@ -63,7 +63,7 @@ struct Pieces {
   void piece(int64_t p, const at::Tensor& x, const at::Tensor& out) const {
     const std::optional<at::Tensor> q =
         panels.q.empty() ? std::nullopt : panels.q.get(p);
-    if (panels.from > 0 && x.size(0) >= panels.from && q.has_value()) {
+    if (q.has_value()) {
       nanoserve::panel_linear(x, *q, *panels.scales.get(p), panels.offsets.get(p), out);
     } else {
       nanoserve::quant_linear(x, blocks[p], formats[p], out);
@@ -109,7 +109,7 @@ at::Tensor decode_stack(
     const OptionalTensors& qkv_bias, const OptionalTensors& q_norm,
     const OptionalTensors& k_norm, at::TensorList blocks, std::vector<std::string> formats,
     at::IntArrayRef counts, const OptionalTensors& panel_q, const OptionalTensors& panel_scales,
-    const OptionalTensors& panel_offsets, int64_t panel_from, const at::Tensor& cache,
+    const OptionalTensors& panel_offsets, const at::Tensor& cache,
     const at::Tensor& cos, const at::Tensor& sin, const std::optional<at::Tensor>& local_cos,
     const std::optional<at::Tensor>& local_sin, at::IntArrayRef local_rope,
     at::IntArrayRef windows, const at::Tensor& positions, const at::Tensor& slot_mapping,
@@ -129,7 +129,7 @@ at::Tensor decode_stack(
               "decode_stack: one entry per layer in every list (or none), four piece counts "
               "a layer, and a [L, 2, slots, KV, D] cache");
   const Pieces proj(blocks, formats, counts,
-                    PanelLists{panel_q, panel_scales, panel_offsets, panel_from});
+                    PanelLists{panel_q, panel_scales, panel_offsets});
   const auto opts = x.options();
   const int64_t qkv_cols = (heads + 2 * kv_heads) * head_dim;
   at::Tensor h = at::empty({T, hidden}, opts);
@@ -181,7 +181,7 @@ TORCH_LIBRARY_FRAGMENT(NANOSERVE_NS, m) {
       "decode_stack(Tensor(a!) x, Tensor[] attn_norm, Tensor[] mlp_norm, "
       "Tensor?[] post_attn_norm, Tensor?[] post_mlp_norm, Tensor?[] qkv_bias, Tensor?[] q_norm, "
       "Tensor?[] k_norm, Tensor[] blocks, str[] formats, int[] counts, Tensor?[] panel_q, "
-      "Tensor?[] panel_scales, Tensor?[] panel_offsets, int panel_from, Tensor(b!) cache, "
+      "Tensor?[] panel_scales, Tensor?[] panel_offsets, Tensor(b!) cache, "
       "Tensor cos, Tensor sin, Tensor? local_cos, Tensor? local_sin, int[] local_rope, "
       "int[] windows, Tensor positions, Tensor slot_mapping, Tensor rows, Tensor block_tables, "
       "Tensor context_lens, int block_size, int heads, int kv_heads, int head_dim, float scale, "

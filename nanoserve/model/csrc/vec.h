@@ -59,6 +59,22 @@ inline __attribute__((always_inline)) void store(float* p, vfloat v) {
   std::memcpy(p, &v, sizeof v);
 }
 
+// kLanes int8 values at p as floats (exact): a sign extension and a conversion. GCC
+// scalarises a byte-to-float vector conversion, hence the intrinsics.
+inline __attribute__((always_inline)) vfloat int8_lanes(const int8_t* p) {
+#if defined(NANOSERVE_AVX512)
+  return (vfloat)_mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(NANOSERVE_AVX2)
+  return (vfloat)_mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  vfloat w;
+  for (int64_t l = 0; l < kLanes; ++l) w[l] = static_cast<float>(p[l]);
+  return w;
+#endif
+}
+
 inline float hsum(vfloat v) {
   float s = 0.0f;
   for (int64_t l = 0; l < kLanes; ++l) s += v[l];
