@@ -1,4 +1,5 @@
-"""What every `sim` command's command line shares: the error guard and `--engine KEY=VALUE`.
+"""What every `sim` command's command line shares: the error guard, `--engine KEY=VALUE` and
+the trace options (`--trace FILE`, its format, window and time scale).
 
 It imports no command, so any command can use it without the import cycle that `cli.py`
 (which imports every command) would make.
@@ -12,9 +13,11 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from nanoserve import flags
 from nanoserve.config import EngineConfig
 from nanoserve.model.loader import resolve_model
 from nanoserve.tokenizer import Tokenizer
+from sim.load.public import FORMATS
 
 # The engine settings `--engine` may set on capacity, profile and validate.
 ENGINE_KEYS = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
@@ -64,3 +67,30 @@ def tokenizer(name: str) -> Tokenizer:
     """The tokenizer of model `name` (a name, a .gguf file or a folder), for counting
     prompt tokens without loading weights."""
     return Tokenizer.from_folder(resolve_model(name))
+
+
+def add_trace_args(p: argparse.ArgumentParser, *, flag: bool = True) -> None:
+    """`--trace FILE` (unless `flag` is False: the caller has its own) and the options of
+    public traces (sim.load.public): format, window, time scale, prefix structure."""
+    g = p.add_argument_group("traces (nanoserve's, or Mooncake, Alibaba, BurstGPT, Azure)")
+    if flag:
+        g.add_argument("--trace", type=flags.input_file, metavar="FILE",
+                       help="a nanoserve virtual-clock trace or a public trace file")
+    g.add_argument("--trace-format", choices=("nanoserve", *FORMATS),
+                   help="the trace's format [detected from its first line]")
+    g.add_argument("--start", type=flags.non_negative_float, default=0.0, metavar="S",
+                   help="skip the trace's first S seconds [0]")
+    g.add_argument("--duration", type=flags.positive_float, metavar="S",
+                   help="keep S seconds of the trace from --start [all]")
+    g.add_argument("--speedup", type=flags.positive_float, default=1.0, metavar="X",
+                   help="replay X times faster than recorded [1]")
+    g.add_argument("--ignore-prefixes", action="store_true",
+                   help="prompts share no blocks even where the trace's hash_ids say so")
+    g.add_argument("--trace-seed", type=int, default=0, metavar="N",
+                   help="seed of the synthetic prompt tokens [0]")
+
+
+def trace_options(a: argparse.Namespace) -> dict[str, Any]:
+    """add_trace_args' options as file_workload's (and text_trace's) keywords."""
+    return {"fmt": a.trace_format, "start_s": a.start, "duration_s": a.duration,
+            "speedup": a.speedup, "prefixes": not a.ignore_prefixes, "seed": a.trace_seed}

@@ -36,9 +36,10 @@ from sim.bench.client import (
 )
 from sim.bench.prefix import PrefixResult, fresh_seed, prefix_requests, run_prefix_test
 from sim.bench.stats import parse_slo, summarize
-from sim.cli_util import guarded, tokenizer
+from sim.cli_util import add_trace_args, guarded, tokenizer, trace_options
 from sim.files import atomic_write_text
 from sim.load.azure import PromptSynth
+from sim.load.public import detect_format, read_public_trace, text_trace, window
 from sim.load.spec import load_spec_from_pairs, split_load_spec
 from sim.load.synthetic import generate_load
 from sim.trace.format import Trace
@@ -61,9 +62,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--load", metavar="SPEC", help="a `sim load` spec")
     src.add_argument("--trace", type=flags.input_file, metavar="TRACE",
-                     help="send a trace's requests")
+                     help="send a trace's requests: a nanoserve virtual-clock trace, or a "
+                     "public one (Mooncake, Alibaba, BurstGPT, Azure), prefix-faithful")
     for key in _LOAD_FLAGS:
         p.add_argument("--" + key.replace("_", "-"), dest=key, metavar=key.upper())
+    add_trace_args(p, flag=False)
     p.add_argument("--concurrency", type=flags.positive_int, metavar="N",
                    help="closed loop: N requests always in flight; arrival times ignored")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
@@ -114,6 +117,17 @@ def source(a: argparse.Namespace) -> tuple[Trace, str]:
         given = [k for k in _LOAD_FLAGS if getattr(a, k) is not None]
         if given:
             raise ValueError(f"--{given[0]} shapes a synthetic load, not --trace")
+        opts = trace_options(a)
+        fmt = opts.pop("fmt") or detect_format(a.trace)
+        if fmt != "nanoserve":
+            window_opts = {k: opts.pop(k) for k in ("start_s", "duration_s", "speedup")}
+            public = window(read_public_trace(a.trace, fmt), **window_opts)
+            return (text_trace(public, _synth(a.tokenizer).tokenizer, stream=a.stream, **opts),
+                    f"trace {a.trace} ({fmt})")
+        if opts != {"start_s": 0.0, "duration_s": None, "speedup": 1.0, "prefixes": True,
+                    "seed": 0}:
+            raise ValueError("--start, --duration, --speedup, --ignore-prefixes and "
+                             f"--trace-seed apply to public traces; {a.trace} is nanoserve's")
         trace = load_trace(a.trace)
         if trace.header.clock != "virtual" and a.concurrency is None:
             raise ValueError(f"{a.trace} has step-clock arrivals, which have no seconds; "

@@ -1,9 +1,15 @@
 """Command lines of `sim capacity`, `sim profile` and `sim validate` (registered by sim/cli.py).
 
-  sim capacity (TRACE | --load SPEC) --cost COST.json [--sweep rate=1,2,4,8]
+  sim capacity (TRACE | --trace FILE | --load SPEC) --cost COST.json [--sweep rate=1,2,4,8]
                [--sweep num_blocks=...] [--sweep max_num_seqs=...] [--slo ttft_p99=2s,...]
                [--seeds 3] [--warmup 0.1] [--replicas N --router KIND] [--max-queue N]
                [--engine k=v ...] [--out PREFIX] [--no-plots] [--jobs N]
+               [--executor process|ray [--ray-address ADDR]]
+               [--trace-format F] [--start S] [--duration S] [--speedup X] [--ignore-prefixes]
+
+A TRACE is a nanoserve virtual-clock trace or a public one: Mooncake or Alibaba JSONL (with
+prefix blocks: prompts are built to share exactly the blocks the trace says they share),
+BurstGPT or Azure CSV.
   sim profile --model smollm2 [--out COST.json] [--quick]
   sim validate --load SPEC --cost COST.json [--runs 3] [--engine k=v ...]
 """
@@ -24,13 +30,20 @@ from nanoserve.tokenizer import Tokenizer
 from sim.capacity.cost import load_cost_model
 from sim.capacity.fleet import ROUTERS
 from sim.capacity.metrics import parse_slo
-from sim.capacity.parallel import ParallelPlanner, process_pool
+from sim.capacity.parallel import ParallelPlanner, make_executor
 from sim.capacity.plan import Plan, Planner, default_num_blocks
 from sim.capacity.report import build_report, dumps_report, table, write_csv, write_plots
-from sim.cli_util import ENGINE_KEYS, engine_config, guarded, tokenizer
+from sim.cli_util import (
+    ENGINE_KEYS,
+    add_trace_args,
+    engine_config,
+    guarded,
+    tokenizer,
+    trace_options,
+)
 from sim.files import atomic_write_text
 from sim.load.spec import parse_load_spec
-from sim.load.workload import Workload, spec_workload, trace_workload
+from sim.load.workload import Workload, file_workload, spec_workload
 
 SWEEPABLE = ("rate", "num_blocks", "max_num_seqs")
 
@@ -39,8 +52,8 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("capacity", help="sweep rates / pool sizes / batch limits on the "
                        "engine in modelled time, and search the highest rate meeting an SLO",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("trace", nargs="?", type=flags.input_file, metavar="TRACE",
-                   help="a virtual-clock trace")
+    p.add_argument("trace_arg", nargs="?", type=flags.input_file, metavar="TRACE",
+                   help="a virtual-clock trace, or a public one (as --trace)")
     p.add_argument("--load", metavar="SPEC", help="a load spec (see `sim load --help`)")
     p.add_argument("--cost", required=True, type=flags.input_file, metavar="COST.json",
                    help="from `sim profile`")
@@ -70,6 +83,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--jobs", type=flags.positive_int, default=1, metavar="N",
                    help="runs (one seed at one point) in N processes at once; the report is "
                    "the same byte for byte [1]")
+    add_trace_args(p)
+    p.add_argument("--executor", choices=("process", "ray"), default="process",
+                   help="where --jobs run: local processes, or Ray (a local instance of "
+                   "--jobs CPUs, or the cluster at --ray-address) [process]")
+    p.add_argument("--ray-address", metavar="ADDR",
+                   help="a Ray cluster to run on (auto, ray://HEAD:10001, HOST:6379)")
     p.set_defaults(main=guarded(run_capacity))
 
 
@@ -94,6 +113,9 @@ def parse_sweeps(items: list[str]) -> dict[str, list[float]]:
 
 
 def run_capacity(a: argparse.Namespace) -> int:
+    if a.trace_arg is not None and a.trace is not None:
+        raise ValueError("give the trace once: TRACE or --trace FILE")
+    a.trace = a.trace or a.trace_arg
     if (a.trace is None) == (a.load is None):
         raise ValueError("give a TRACE or --load SPEC (one of them)")
     if a.jobs < 1:
@@ -111,9 +133,9 @@ def run_capacity(a: argparse.Namespace) -> int:
                      for s in seeds]
     else:
         seeds = [0]
-        workloads = [trace_workload(a.trace, tok)]
-    pool = process_pool(a.jobs) if a.jobs > 1 else nullcontext(None)
-    with pool as executor:
+        workloads = [file_workload(a.trace, tok, **trace_options(a))]
+    pool = make_executor(a.executor, a.jobs, a.ray_address)
+    with pool if pool is not None else nullcontext(None) as executor:
         progress = LabelledProgress(enabled=not a.quiet,
                                     unit="request" if executor is None else "run")
         report = plan_capacity(workloads, seeds, cost, plan, tok, sweeps, a.search_start,
@@ -159,7 +181,8 @@ def plan_capacity(workloads: list[Workload], seeds: list[int], cost: Any, plan: 
                 start = max(met) if met else min(p["rate"] for p in points)
             searches.append(planner.search(nb, ms, start))
     report = build_report(cost=cost, plan=plan, source=workloads[0].source, seeds=seeds,
-                          points=points, searches=searches, invalid=workloads[0].invalid)
+                          points=points, searches=searches, invalid=workloads[0].invalid,
+                          trace=workloads[0].trace)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(f"{out}.json", dumps_report(report))

@@ -20,13 +20,11 @@ installed, and the model's tokenizer files too if they get a name. Dask:
     client = Client("scheduler:8786")
     plan_capacity(..., executor=client.get_executor(), tokenizer_name=None)
 
-Ray (an ObjectRef's `.future()` is a `concurrent.futures.Future`):
-
-    class RayExecutor(concurrent.futures.Executor):
-        def submit(self, fn, /, *args, **kwargs):
-            return ray.remote(fn).remote(*args, **kwargs).future()
-
-    plan_capacity(..., executor=RayExecutor(), tokenizer_name=None)
+`--executor ray` runs the tasks on Ray (`RayExecutor`): a cluster at `--ray-address`, or a
+local instance of `--jobs` CPUs. An ObjectRef's `.future()` is a concurrent.futures.Future,
+so collect() reads Ray's results as it reads a pool's: in submission order, and the report
+is the same byte for byte. A cluster's nodes need nanoserve (and the tokenizer's model
+files, since tasks name it) installed as on the driver.
 """
 
 from __future__ import annotations
@@ -44,7 +42,7 @@ from nanoserve.model.stub import StubModel
 from nanoserve.tokenizer import Tokenizer
 from sim.capacity.cost import CostModel
 from sim.capacity.fleet import SimResult
-from sim.capacity.plan import Plan, Planner, Progress, run_seed
+from sim.capacity.plan import Plan, Planner, Progress, run_seed, stub_model
 from sim.cli_util import tokenizer as load_tokenizer
 from sim.load.workload import Workload
 
@@ -70,22 +68,71 @@ class SeedTask:
 def run_task(task: SeedTask) -> Outcome:
     """A worker's whole job: the seed's summary, and its result without the records (the
     per-request lists are most of its size and nothing after the summary reads them)."""
-    tok, model = _model(task.tokenizer)
+    tok, model = _model(task.tokenizer, task.config)
     summary, result = run_seed(task.workload, task.rate, task.num_blocks, task.config,
                                task.cost, task.plan, model, tok)
     return summary, dataclasses.replace(result, records=()) if task.timeline else None
 
 
-def _model(source: str | Tokenizer) -> tuple[Tokenizer, StubModel]:
+def _model(source: str | Tokenizer, config: EngineConfig) -> tuple[Tokenizer, StubModel]:
     if isinstance(source, Tokenizer):
-        return source, StubModel(source)
-    return _named_model(source)
+        return source, stub_model(source, config)
+    tok = _named_tokenizer(source)
+    return tok, _stub(tok, config.max_model_len)
 
 
 @functools.lru_cache(maxsize=4)
-def _named_model(name: str) -> tuple[Tokenizer, StubModel]:
-    tok = load_tokenizer(name)  # once per worker process: spawned workers start empty
-    return tok, StubModel(tok)
+def _named_tokenizer(name: str) -> Tokenizer:
+    return load_tokenizer(name)  # once per worker process: spawned workers start empty
+
+
+@functools.lru_cache(maxsize=4)
+def _stub(tok: Tokenizer, max_model_len: int | None) -> StubModel:
+    return stub_model(tok, EngineConfig(max_model_len=max_model_len))
+
+
+class RayExecutor(Executor):
+    """Tasks as Ray remote functions of one CPU each. Connects to `address` (a running
+    cluster: "auto", "ray://head:10001", "10.0.0.1:6379") or starts a local instance of
+    `num_cpus` CPUs, and shuts down only an instance it started."""
+
+    def __init__(self, address: str | None = None, num_cpus: int | None = None) -> None:
+        import ray  # only `--executor ray` needs it
+
+        self._ray = ray
+        self._owned = not ray.is_initialized()
+        if self._owned:
+            local: dict[str, Any] = {} if address else {
+                "num_cpus": num_cpus,
+                # The object store holds only tasks and summaries (kilobytes): no need for
+                # the default of 30% of the machine's memory.
+                "object_store_memory": 128 << 20}
+            ray.init(address=address, include_dashboard=False, log_to_driver=False,
+                     configure_logging=False, **local)
+        self._remote: dict[Any, Any] = {}
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future[Any]:
+        if fn not in self._remote:
+            self._remote[fn] = self._ray.remote(num_cpus=1)(fn)
+        future: Future[Any] = self._remote[fn].remote(*args, **kwargs).future()
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        if self._owned and self._ray.is_initialized():
+            self._ray.shutdown()
+            self._owned = False
+
+
+def make_executor(kind: str, jobs: int, ray_address: str | None = None) -> Executor | None:
+    """`--executor KIND --jobs N`: None (in process) for one local job, else a pool of N
+    spawned processes, or Ray (a local instance of N CPUs unless `ray_address`)."""
+    if kind == "ray":
+        return RayExecutor(ray_address, jobs)
+    if kind != "process":
+        raise ValueError(f"--executor must be process or ray, got {kind!r}")
+    if ray_address is not None:
+        raise ValueError("--ray-address needs --executor ray")
+    return process_pool(jobs) if jobs > 1 else None
 
 
 def process_pool(jobs: int) -> ProcessPoolExecutor:

@@ -22,7 +22,7 @@ from typing import Any
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.engine import Engine
-from nanoserve.model.stub import StubModel
+from nanoserve.model.stub import STUB_CONTEXT, StubModel
 from nanoserve.tokenizer import Tokenizer
 from sim.capacity.cost import CostModel
 from sim.capacity.fleet import SimResult, simulate
@@ -53,6 +53,15 @@ def default_num_blocks(cost: CostModel, engine: EngineConfig) -> int:
         return engine.num_blocks
     per_block = cost.kv_bytes_per_token * engine.block_size
     return engine.kv_cache_memory // per_block if per_block else engine.stub_num_blocks
+
+
+def stub_model(tokenizer: Tokenizer, engine: EngineConfig) -> StubModel:
+    """The stub the simulated engines share (it is stateless), with context enough for
+    the plan's max_model_len: planning a long-context model on a long trace (Mooncake's
+    prompts reach 120k tokens) needs `--engine max_model_len=131072`, and the engine
+    refuses a max_model_len past its model's context."""
+    return StubModel(tokenizer,
+                     max_position_embeddings=max(STUB_CONTEXT, engine.max_model_len or 0))
 
 
 def flat(summary: dict[str, Any]) -> dict[str, float | None]:
@@ -101,7 +110,7 @@ class Planner:
         self.workloads = list(workloads)
         self.cost = cost
         self.plan = plan
-        self.model = StubModel(tokenizer)  # stateless: shared by every engine
+        self.model = stub_model(tokenizer, plan.engine)
         self.tokenizer = tokenizer
         self.progress = progress
         self._cache: dict[tuple[float | None, int, int], tuple[list[dict[str, Any]],

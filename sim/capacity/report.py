@@ -24,8 +24,9 @@ from sim.files import atomic_open, atomic_path, atomic_write_text
 
 def build_report(*, cost: CostModel, plan: Plan, source: str, seeds: Sequence[int],
                  points: list[dict[str, Any]], searches: list[dict[str, Any]],
-                 invalid: int = 0) -> dict[str, Any]:
+                 invalid: int = 0, trace: dict[str, Any] | None = None) -> dict[str, Any]:
     e = plan.engine
+    extra = {} if trace is None else {"trace": trace}
     return {
         "nanoserve_capacity": CAPACITY_FORMAT,
         "cost_model": {"name": cost.name, "model": cost.model, "machine": cost.machine,
@@ -44,6 +45,7 @@ def build_report(*, cost: CostModel, plan: Plan, source: str, seeds: Sequence[in
         "invalid_requests": invalid,
         "points": points,
         "slo_search": searches,
+        **extra,
     }
 
 
@@ -134,7 +136,8 @@ def table(report: dict[str, Any]) -> str:
             ("good/s", "goodput"), ("ttft50", "ttft_p50"), ("ttft99", "ttft_p99"),
             ("tpot50", "tpot_p50"), ("tpot99", "tpot_p99"), ("itl99", "itl_p99"),
             ("e2e99", "e2e_p99"), ("queue", "queue_mean"), ("kv", "kv_mean_used_fraction"),
-            ("preempt", "preemptions"), ("429", "rejected_429"), ("abort", "aborted")]
+            ("preempt", "preemptions"), ("hit", "prefix_hit_rate"), ("429", "rejected_429"),
+            ("abort", "aborted")]
     lines = [" ".join(f"{h:>8}" for h, _ in cols + mets) + "   (mean over seeds; ± spread)"]
     for p in report["points"]:
         cells = [_cell(p[k]) for _, k in cols]
@@ -151,6 +154,17 @@ def table(report: dict[str, Any]) -> str:
                      f"seqs={s['max_num_seqs']}: highest rate {rate} (fails at "
                      f"{s['fails_at'] if s['fails_at'] is None else format(s['fails_at'], '.4g')};"
                      f" {len(s['tried'])} runs)")
+    trace = report.get("trace")
+    if trace is not None:
+        implied = trace["implied_prefix_hit_rate"]
+        lines.append(f"trace: {trace['rows']} requests ({trace['format']}, as published by "
+                     f"{trace['format_origin']}"
+                     + "".join(f"; {n} left out: {why}" for why, n in trace["dropped"].items())
+                     + ")" + ("" if implied is None else
+                              f"; prefix hit rate the trace implies (unbounded cache): "
+                              f"{implied:.4f}, planned: the 'hit' column"
+                              + ("" if trace["prefix_structure"] else
+                                 " (prefix structure ignored)")))
     lines.append(f"cost model: {report['cost_model']['name']} ({report['cost_model']['model']}"
                  f" on {report['cost_model']['machine'].get('cpu', '?')})")
     return "\n".join(lines)

@@ -46,12 +46,12 @@ from sim.capacity.fleet import SimResult, simulate
 from sim.capacity.measured import measure
 from sim.capacity.metrics import summarize
 from sim.capacity.plan import default_num_blocks, flat
-from sim.capacity.profile import set_threads, torch_threads
+from sim.capacity.profile import machine_info, set_threads, torch_threads
 from sim.capacity.routers import ROUTERS, Router
-from sim.cli_util import engine_config, guarded
+from sim.cli_util import add_trace_args, engine_config, guarded, trace_options
 from sim.files import atomic_write_text
 from sim.load.spec import parse_load_spec
-from sim.load.workload import Workload, spec_workload
+from sim.load.workload import Workload, file_workload, spec_workload
 
 # Steps that took this much longer than their CPU time, or a host that stole this fraction
 # of a CPU, mark a run as measured on a busy host: its figures are flagged.
@@ -85,7 +85,7 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("validate", help="run the real engine on a load (wall clock) and "
                        "compare each metric with the simulator's prediction",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--load", required=True, metavar="SPEC")
+    p.add_argument("--load", metavar="SPEC", help="a load spec (or --trace FILE)")
     p.add_argument("--cost", required=True, type=flags.input_file, metavar="COST.json")
     p.add_argument("--threads", type=flags.positive_int, metavar="N",
                    help="torch CPU threads (recorded in the cost model's machine) [torch's]")
@@ -104,7 +104,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--out", type=flags.output_file, metavar="JSON",
                    help="also write the comparison as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar (shown on a terminal)")
-
+    p.add_argument("--report", type=flags.output_file, metavar="FILE",
+                   help="write the calibration report (the load, the engine, the machine, "
+                   "the table, each run's speed and contention) as text to keep beside the "
+                   "cost model")
+    add_trace_args(p)
     p.set_defaults(main=guarded(run_validate))
 
 
@@ -134,6 +138,8 @@ def agreement(predicted: SimResult, measured: SimResult) -> float:
 def run_validate(a: argparse.Namespace) -> int:
     if a.replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {a.replicas}")
+    if (a.load is None) == (a.trace is None):
+        raise ValueError("give --load SPEC or --trace FILE (one of them)")
     set_threads(a.threads)
     from nanoserve.model import load
 
@@ -148,7 +154,8 @@ def run_validate(a: argparse.Namespace) -> int:
     if a.replicas * torch_threads() > cores:
         print(f"note: {a.replicas} replicas x {torch_threads()} torch threads > {cores} cores: "
               "the replicas will slow each other down (give --threads)", file=sys.stderr)
-    workload = spec_workload(parse_load_spec(a.load), tok, tok.vocab_size)
+    workload = (spec_workload(parse_load_spec(a.load), tok, tok.vocab_size) if a.load else
+                file_workload(a.trace, tok, **trace_options(a)))
     sim = simulated(workload, cost, tok, config, a.replicas, a.router)
     predicted = flat(summarize(sim, warmup=a.warmup, slo=None,
                                num_blocks=config.num_blocks or 1, replicas=a.replicas))
@@ -160,12 +167,23 @@ def run_validate(a: argparse.Namespace) -> int:
                                     a.router)), measured.runs)
     known = [s for s in measured.steal if s is not None]
     fleet = f"{a.replicas} replicas, router {a.router}; " if a.replicas > 1 else ""
-    print(f"load {workload.source} on {a.model}; {fleet}cost model {cost.name}; {a.runs} runs; "
-          f"steps took {statistics.fmean(measured.contention):.2f}x their CPU time (1 = idle cores)"
-          + (f"; host steal {statistics.fmean(known):.0%} of a CPU" if known else ""))
+    head = (f"load {workload.source} on {a.model}; {fleet}cost model {cost.name}; {a.runs} runs; "
+            f"steps took {statistics.fmean(measured.contention):.2f}x their CPU time "
+            "(1 = idle cores)"
+            + (f"; host steal {statistics.fmean(known):.0%} of a CPU" if known else ""))
     if a.replicas > 1:
-        print("placed on the simulator's replica: " + " ".join(f"{p:.0%}" for p in measured.placed))
-    _print_table(rows, rows_now, speed, measured.speeds)
+        head += ("\nplaced on the simulator's replica: "
+                 + " ".join(f"{p:.0%}" for p in measured.placed))
+    text = head + "\n" + calibration_table(rows, rows_now, speed, measured.speeds)
+    print(text)
+    if a.report:
+        runs = "\n".join(
+            f"run {k + 1}: contention {c:.2f}x, machine speed x{measured.speeds[k]:.3f} before, "
+            f"x{measured.speeds[k + 1]:.3f} after" for k, c in enumerate(measured.contention))
+        given = f"--load {a.load}" if a.load else f"--trace {a.trace}"
+        atomic_write_text(a.report, f"sim validate {given} --cost {a.cost} --model {a.model} "
+                          f"--runs {a.runs}\nengine: {config}\n"
+                          f"machine: {json.dumps(machine_info())}\n{text}\n{runs}\n")
     if a.out:
         atomic_write_text(a.out, json.dumps({"load": workload.source, "model": a.model,
                                            "replicas": a.replicas, "router": a.router,
@@ -229,17 +247,22 @@ def _measure_runs(a: argparse.Namespace, workload: Workload, models: Sequence[Mo
     return m
 
 
-def _print_table(rows: list[dict[str, Any]], rows_now: list[dict[str, Any]], speed: float,
-                 speeds: list[float]) -> None:
-    print(f"machine speed against the cost model: x{speed:.3f} (" +
-          " ".join(f"{s:.3f}" for s in speeds) + "; > 1: slower than when profiled); "
-          f"'at x{speed:.3f}' predicts with the cost model scaled by it")
-    print(f"{'metric':>24} {'predicted':>10} {'measured':>10} {'spread':>9} {'error':>8}"
-          f"      {f'at x{speed:.3f}':>10} {'error':>8}")
+def calibration_table(rows: list[dict[str, Any]], rows_now: list[dict[str, Any]],
+                      speed: float, speeds: list[float]) -> str:
+    """Predicted against measured for every compared metric, at the cost model's speed and
+    at the machine's speed measured during the runs."""
+    out: list[str] = []
+    out.append(f"machine speed against the cost model: x{speed:.3f} ("
+               + " ".join(f"{s:.3f}" for s in speeds) + "; > 1: slower than when profiled); "
+               f"'at x{speed:.3f}' predicts with the cost model scaled by it")
+    out.append(f"{'metric':>24} {'predicted':>10} {'measured':>10} {'spread':>9} {'error':>8}"
+               f"      {f'at x{speed:.3f}':>10} {'error':>8}")
     for r, n in zip(rows, rows_now, strict=True):
         if r["measured"] is None:
-            print(f"{r['metric']:>24} {'-':>10} {'-':>10}")
+            out.append(f"{r['metric']:>24} {'-':>10} {'-':>10}")
             continue
-        print(f"{r['metric']:>24} {r['predicted']:>10.4g} {r['measured']:>10.4g} "
-              f"{r['spread']:>9.3g} {r['error']:>+8.1%}{'' if r['within'] else ' OUT':4} "
-              f" {n['predicted']:>10.4g} {n['error']:>+8.1%}{'' if n['within'] else ' OUT'}")
+        out.append(f"{r['metric']:>24} {r['predicted']:>10.4g} {r['measured']:>10.4g} "
+                   f"{r['spread']:>9.3g} {r['error']:>+8.1%}{'' if r['within'] else ' OUT':4} "
+                   f" {n['predicted']:>10.4g} {n['error']:>+8.1%}"
+                   f"{'' if n['within'] else ' OUT'}")
+    return "\n".join(out)

@@ -24,12 +24,16 @@ import dataclasses
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from nanoserve.sampling.params import ParamError, SamplingParams
 from nanoserve.server import parse
 from nanoserve.server.errors import ApiError
 from nanoserve.server.protocol import protocol
 from nanoserve.tokenizer import Tokenizer
+from sim.load.public import PublicTrace, detect_format, read_public_trace, window
 from sim.load.spec import LoadSpec, SpecError, format_load_spec
 from sim.load.synthetic import arrival_times, draw_shapes
 from sim.trace.loader import load_trace
@@ -54,6 +58,7 @@ class Workload:
     base_rate: float  # the rate (requests/s) that `requests`' own at_s stand for
     source: str  # the spec string or the trace's path, for reports
     invalid: int = 0  # trace requests the server would refuse with a 4xx (not simulated)
+    trace: dict[str, Any] | None = None  # a public trace's description (PublicTrace.describe)
 
     def at_rate(self, rate: float) -> Workload:
         """The same requests and arrival pattern at `rate` requests per second."""
@@ -61,10 +66,10 @@ class Workload:
             raise ValueError(f"rate must be > 0, got {rate}")
         k = self.base_rate / rate
         reqs = tuple(dataclasses.replace(r, at_s=r.at_s * k) for r in self.requests)
-        return Workload(reqs, rate, self.source, self.invalid)
+        return dataclasses.replace(self, requests=reqs, base_rate=rate)
 
     def head(self, n: int) -> Workload:
-        return Workload(self.requests[:n], self.base_rate, self.source, self.invalid)
+        return dataclasses.replace(self, requests=self.requests[:n])
 
 
 def spec_workload(spec: LoadSpec, tokenizer: Tokenizer | None = None,
@@ -149,3 +154,65 @@ def trace_workload(path: str | Path, tokenizer: Tokenizer) -> Workload:
     span = times[-1] - times[0] if times else 0.0
     base_rate = (len(times) - 1) / span if span > 0 else 1.0
     return Workload(tuple(reqs), base_rate, str(path), invalid)
+
+
+def public_workload(trace: PublicTrace, vocab_size: int = 49152, *, seed: int = 0,
+                    prefixes: bool = True) -> Workload:
+    """A public trace's rows as requests (sim.load.public), prompts prefix-faithful.
+
+    Where the trace names its prompts' blocks (hash_ids), block h is the same
+    `block_tokens` ids wherever it appears (drawn from (seed, h)), and a prompt is its
+    blocks in order, cut to input_tokens; so two requests share exactly the blocks the
+    trace says they share, and the prefix cache and a cache-aware router see the trace's
+    sharing. Without hash_ids, or with `prefixes` False (prefix structure ignored), each
+    row draws its own ids from (seed, line) and no two prompts share a block."""
+    hi = vocab_size - 1
+    blocks: dict[int, list[int]] = {}
+
+    def draw(key: list[int], k: int) -> list[int]:
+        # numpy's PCG64 seeded by the key: a 512-token block in microseconds, where
+        # random.Random would take a millisecond.
+        rng = np.random.Generator(np.random.PCG64(key))
+        return rng.integers(_FIRST_ORDINARY_ID, hi, size=k, endpoint=True).tolist()
+
+    def block(h: int, size: int) -> list[int]:
+        if h not in blocks:
+            blocks[h] = draw([seed, 1, h], size)
+        return blocks[h]
+
+    size = trace.block_tokens
+    reqs = []
+    for i, row in enumerate(trace.rows):
+        if prefixes and size is not None and row.hash_ids is not None:
+            ids: list[int] = []
+            for h in row.hash_ids:
+                if len(ids) >= row.input_tokens:
+                    break
+                ids += block(h, size)
+            prompt = tuple(ids[:row.input_tokens])
+        else:
+            prompt = tuple(draw([seed, 2, row.line], row.input_tokens))
+        params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=row.output_tokens,
+                                detokenize=False)
+        reqs.append(SimRequest(f"r{i + 1}", row.at_s, prompt, params))
+    span = trace.rows[-1].at_s - trace.rows[0].at_s if trace.rows else 0.0
+    base_rate = (len(reqs) - 1) / span if span > 0 else 1.0
+    how = "" if prefixes or size is None else ", prefix structure ignored"
+    return Workload(tuple(reqs), base_rate, f"{trace.source} ({trace.format}{how})",
+                    trace={**trace.describe(), "prefix_structure": prefixes and size is not None})
+
+
+def file_workload(path: str | Path, tokenizer: Tokenizer, *, fmt: str | None = None,
+                  start_s: float = 0.0, duration_s: float | None = None, speedup: float = 1.0,
+                  prefixes: bool = True, seed: int = 0) -> Workload:
+    """`--trace FILE`: a nanoserve virtual-clock trace or a public one (sim.load.public),
+    the format detected unless named; a public one windowed and rescaled in time."""
+    fmt = fmt or detect_format(path)
+    if fmt == "nanoserve":
+        if start_s or duration_s is not None or speedup != 1.0 or not prefixes:
+            raise ValueError("--start, --duration, --speedup and --ignore-prefixes apply to "
+                             f"public traces; {path} is a nanoserve trace")
+        return trace_workload(path, tokenizer)
+    trace = window(read_public_trace(path, fmt), start_s=start_s, duration_s=duration_s,
+                   speedup=speedup)
+    return public_workload(trace, tokenizer.vocab_size, seed=seed, prefixes=prefixes)
