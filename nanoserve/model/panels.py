@@ -47,6 +47,11 @@ PANEL = 16  # output rows side by side (csrc/panels.cpp's kPanel)
 # The rows of x a weight runs on its panels at, by instruction set; the generic build has
 # no figures (it keeps no quantized weights under auto), so none there.
 PANEL_ROWS = {"avx512": range(5, 1 << 62), "avx2": range(8, 13)}
+# The rows of x one pass over the panels multiplies (csrc/panels.cpp's kRows): each further
+# pass dequantizes every weight again, so a projection's time steps up every X_ROWS rows
+# (measured, SmolLM2 decode steps, one thread: 54.4 ms at 16 rows, 64.4 at 17; 105.6 at 32,
+# 115.9 at 33), which the cost model prices (sim/capacity/cost.py's panel_blocks).
+X_ROWS = {"avx512": 16, "avx2": 12}
 
 
 @dataclass(frozen=True, slots=True)

@@ -199,6 +199,17 @@ def quant_pays(isa: str) -> bool:
 REGISTER_ROWS = 8
 
 
+def row_path(rows: int, isa: str | None) -> str:
+    """The kernel a quantized projection multiplies `rows` rows of x with under `isa`, as
+    QuantProj.__call__ picks it for a projection with panels: "register", "tile", "panels"
+    or "dense". `isa` None is the dispatch before panels (for cost models measured then)."""
+    if isa is not None and rows in PANEL_ROWS.get(isa, range(0)):
+        return "panels"
+    if rows >= (DENSE_FROM_ROWS if isa is None else dense_from_rows(isa)):
+        return "dense"
+    return "register" if rows <= REGISTER_ROWS else "tile"
+
+
 class Scratch:
     """One float32 buffer that every projection of a model dequantizes into in turn (a
     model's steps run one at a time): a fresh one per call would cost page faults."""

@@ -16,6 +16,15 @@ counts, each with a physical reason:
                                           them in nanoserve's tile kernel: more than fit in
                                           registers, fewer than pay for a dequantized
                                           sgemm; a row there costs more than on either side)
+            + i * panel_blocks           (the passes over the weights' panels when they
+                                          multiply the rows: one per 16 rows on AVX-512,
+                                          each dequantizing every weight again, so the
+                                          step's time steps up at 17 rows, 33, ...)
+
+Which kernel the rows take depends on the instruction set of the machine the model was
+profiled on (nanoserve.model.quant.row_path), recorded as the cost model's machine["isa"]:
+a model without it (format 3 and older, profiled before panels) keeps the dispatch it was
+fitted to, a tile band from 9 to 127 rows and no panels.
 
 The coefficients are fitted by least squares on relative error (each sample weighted by
 1 / its time), since a 5 ms step predicted 5 ms off matters as much as a 500 ms one predicted
@@ -33,25 +42,30 @@ from pathlib import Path
 from typing import Any
 
 from nanoserve.engine.outputs import StepResult
-from nanoserve.model.quant import DENSE_FROM_ROWS, REGISTER_ROWS
+from nanoserve.model.panels import X_ROWS
+from nanoserve.model.quant import row_path
 from sim.files import atomic_write_text
 
 FEATURES = ("const", "prefill_tokens", "prefill_seqs", "decode_seqs", "decode_context",
-            "prefill_attention", "batched", "tile_rows")
-# Format 2 added `batched`, format 3 `tile_rows`. An older file is the same law without
-# them, so it still loads, with those coefficients 0.
-COST_FORMAT = 3
-_FORMATS = {1: FEATURES[:6], 2: FEATURES[:7], 3: FEATURES}
+            "prefill_attention", "batched", "tile_rows", "panel_blocks")
+# Format 2 added `batched`, format 3 `tile_rows`, format 4 `panel_blocks` (and
+# machine["isa"]). An older file is the same law without them, so it still loads, with
+# those coefficients 0.
+COST_FORMAT = 4
+_FORMATS = {1: FEATURES[:6], 2: FEATURES[:7], 3: FEATURES[:8], 4: FEATURES}
 
 
-def step_features(r: StepResult) -> tuple[float, ...]:
-    """The step's work counts, in FEATURES order."""
+def step_features(r: StepResult, isa: str | None = None) -> tuple[float, ...]:
+    """The step's work counts, in FEATURES order, with the quantized kernels `isa` runs
+    (None: before panels; see the module docstring)."""
     rows = r.num_prefill_tokens + r.num_decode_tokens  # rows through the weight multiplies
-    # Counted for every model; a float32 one's fit gives it a coefficient near 0.
-    tile = rows if REGISTER_ROWS < rows < DENSE_FROM_ROWS else 0
+    # Counted for every model; a float32 one's fit gives them coefficients near 0.
+    path = row_path(rows, isa)
+    tile = rows if path == "tile" else 0
+    passes = -(-rows // X_ROWS[isa]) if path == "panels" and isa is not None else 0
     return (1.0, float(r.num_prefill_tokens), float(r.num_prefill_seqs),
             float(r.num_decode_tokens), float(r.decode_context), float(r.prefill_attention),
-            1.0 if rows >= 2 else 0.0, float(tile))
+            1.0 if rows >= 2 else 0.0, float(tile), float(passes))
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +94,14 @@ class CostModel:
         # A fit may put a small negative coefficient on a feature; never a negative step.
         return max(s, 0.0)
 
+    @property
+    def isa(self) -> str | None:
+        """The instruction set whose kernels the profiled model ran (None: before panels)."""
+        isa = self.machine.get("isa")
+        return isa if isa in X_ROWS else None
+
     def __call__(self, result: StepResult) -> float:
-        return self.predict(step_features(result))
+        return self.predict(step_features(result, self.isa))
 
     def kv_gib(self, num_blocks: int, block_size: int | None = None) -> float:
         bs = self.block_size if block_size is None else block_size
@@ -164,7 +184,7 @@ def fit_coefficients(
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
-    """Gaussian elimination with partial pivoting (k is at most seven)."""
+    """Gaussian elimination with partial pivoting (k is at most nine)."""
     n = len(b)
     m = [row[:] + [b[i]] for i, row in enumerate(a)]
     for col in range(n):

@@ -48,7 +48,9 @@ from sim.cli_util import guarded
 # more as a packed gemm (measured, one thread: 60 ms at 1 row, 75-90 ms at 2-4, 95-110 ms
 # at 8), which the cost model's `batched` term prices; one row with no prompt is the only
 # point where it is 0, so it is measured at every context.
-GRID = {"decode": (0, 1, 2, 4, 8, 32), "context": (32, 256, 640),
+# Decode 16 is one pass over the weights' panels where 32 and 33 rows (32 decoding + a
+# prompt) are two and three: what separates a row's cost from a pass's (cost.py).
+GRID = {"decode": (0, 1, 2, 4, 8, 16, 32), "context": (32, 256, 640),
         "prefill": (0, 32, 96, 224, 448)}
 QUICK_GRID = {"decode": (0, 1, 6), "context": (16, 48), "prefill": (0, 8, 24, 40)}
 
@@ -66,7 +68,7 @@ def measure_grid(model: Model, tokenizer: Tokenizer, grid: Mapping[str, Sequence
                  reps: int = 5, warmup: int = 2, block_size: int = 16,
                  timer: Callable[[], float] = time.perf_counter,
                  log: Callable[[str], None] | None = None,
-                 progress: bool = False) -> list[Measured]:
+                 progress: bool = False, isa: str | None = None) -> list[Measured]:
     rng = random.Random(0)
     vocab = model.config.vocab_size
 
@@ -117,7 +119,7 @@ def measure_grid(model: Model, tokenizer: Tokenizer, grid: Mapping[str, Sequence
     out: list[Measured] = []
     for (d, c, p), got in samples.items():
         sec, res = sorted(got, key=lambda s: s[0])[len(got) // 2]
-        out.append(Measured(d, c, p, step_features(res), sec))
+        out.append(Measured(d, c, p, step_features(res, isa), sec))
         if log is not None:
             log(f"decode={d:3d} context={c:4d} prefill={p:4d}: {sec * 1000:8.2f} ms")
     return out
@@ -152,6 +154,16 @@ def fit_profile(points: Sequence[Measured], *, name: str, model: str,
     }
     return CostModel(final, name=name, model=model, machine=machine,
                      kv_bytes_per_token=kv_bytes_per_token, block_size=block_size, fit=fit)
+
+
+def quantized_isa(model: Model) -> str | None:
+    """The instruction set of the kernels the model's quantized projections run (the cost
+    model's features follow their dispatch), or None when it has none (float32 weights)."""
+    from nanoserve.model.quant import QuantProj
+
+    layers = getattr(model, "layers", None) or []
+    proj = getattr(layers[0], "qkv", None) if layers else None
+    return proj.kernels.isa if isinstance(proj, QuantProj) and proj.panels else None
 
 
 def set_threads(n: int | None) -> None:
@@ -220,10 +232,13 @@ def run_profile(a: argparse.Namespace) -> int:
         raise ValueError("--clock cpu needs --threads 1: other threads' work is not counted")
     timer = time.thread_time if a.clock == "cpu" else time.perf_counter
     # tqdm.write: the log lines go above the progress bar, not through it.
+    isa = quantized_isa(model)
     points = measure_grid(model, tok, grid, reps=a.reps, timer=timer,
-                          log=lambda s: tqdm.write(s, file=sys.stderr), progress=not a.quiet)
+                          log=lambda s: tqdm.write(s, file=sys.stderr), progress=not a.quiet,
+                          isa=isa)
     bs = 16
-    machine = {**machine_info(), "clock": a.clock, "quantization": a.quantization}
+    machine = {**machine_info(), "clock": a.clock, "quantization": a.quantization,
+               "isa": isa}
     cost = fit_profile(points, name=a.name or Path(a.out).name, model=a.model,
                        machine=machine, block_size=bs, grid=grid,
                        kv_bytes_per_token=model.kv_bytes_per_block(bs) // bs)

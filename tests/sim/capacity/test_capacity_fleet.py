@@ -35,7 +35,7 @@ from sim.load.synthetic import generate_load
 from sim.load.workload import SimRequest, spec_workload, trace_workload
 from sim.trace.write import write_trace
 
-COST = CostModel((0.01, 1e-4, 5e-4, 2e-3, 2e-6, 1e-8, 0.0, 0.0), name="synthetic")
+COST = CostModel((0.01, 1e-4, 5e-4, 2e-3, 2e-6, 1e-8, 0.0, 0.0, 0.0), name="synthetic")
 
 
 def config(**kw: object) -> EngineConfig:
