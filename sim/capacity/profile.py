@@ -7,7 +7,11 @@ sequences are prefilled first (not timed) and take a few warm-up steps; then, `r
 times, every cell in turn takes one untimed step and the steps that decode its D rows and
 prefill a new prompt of each size P (max_tokens 1, so it leaves at once; the prefix cache
 is off, so nothing is reused), timed; the median over reps is kept. Contexts grow by one
-token per step, which the features record exactly.
+token per step, which the features record exactly. The prompt-only cell also times the
+last chunk of long prompts (`chunk_offsets`: a 512-token chunk after 1024 and 3072 tokens),
+a chunked prefill's step: its attention pairs (chunk x context) are ten times a fresh
+448-token prompt's, and a per-pair cost fitted on fresh prompts alone over-priced them
+(measured: +24% on the last chunk of a 3584-token prompt).
 
 The fit is checked before it is trusted: a seeded quarter of the grid points is held out,
 the model is fitted on the rest, and its relative error on the held-out points is printed
@@ -51,7 +55,7 @@ from sim.cli_util import guarded
 # Decode 16 is one pass over the weights' panels where 32 and 33 rows (32 decoding + a
 # prompt) are two and three: what separates a row's cost from a pass's (cost.py).
 GRID = {"decode": (0, 1, 2, 4, 8, 16, 32), "context": (32, 256, 640),
-        "prefill": (0, 32, 96, 224, 448)}
+        "prefill": (0, 32, 96, 224, 448), "chunk_offsets": (1024, 3072)}
 QUICK_GRID = {"decode": (0, 1, 6), "context": (16, 48), "prefill": (0, 8, 24, 40)}
 
 
@@ -76,13 +80,16 @@ def measure_grid(model: Model, tokenizer: Tokenizer, grid: Mapping[str, Sequence
         return [rng.randrange(1000, vocab) for _ in range(n)]
 
     pmax = max(grid["prefill"])
+    chunk = max(pmax, 512)  # the prompt-only cell's step budget: its chunk size
     # Decode 0 has no context to vary: one cell.
     cells = [(d, c) for d in grid["decode"] for c in grid["context"][: None if d else 1]]
     engines: dict[tuple[int, int], Engine] = {}
     for d, c in cells:
         # Each visit takes one untimed step, then one timed step per prompt size.
         steps = reps * (len(grid["prefill"]) + 1) + warmup + 8
-        blocks = (d * (c + steps) + pmax) // block_size + 16 + d
+        offsets = grid.get("chunk_offsets", ()) if d == 0 else ()
+        longest = max([pmax, *(o + chunk for o in offsets)])
+        blocks = (d * (c + steps) + longest) // block_size + 16 + d
         ctx = min(model.config.max_position_embeddings, blocks * block_size)
         config = EngineConfig(block_size=block_size, num_blocks=blocks, max_model_len=ctx,
                               max_num_seqs=d + 1, max_num_batched_tokens=max(d + pmax, 512),
@@ -113,6 +120,15 @@ def measure_grid(model: Model, tokenizer: Tokenizer, grid: Mapping[str, Sequence
                 t0 = timer()
                 res = eng.step()
                 samples.setdefault((d, c, p), []).append((timer() - t0, res))
+            for off in grid.get("chunk_offsets", ()) if d == 0 else ():
+                # A long prompt's last chunk, at context `off`: a chunked prefill's step,
+                # whose attention (chunk x context pairs) fresh prompts never reach.
+                eng.add_request(ids(off + chunk), SamplingParams(temperature=0, max_tokens=1))
+                for _ in range(off // chunk):
+                    eng.step()  # the chunks before: not timed
+                t0 = timer()
+                res = eng.step()
+                samples.setdefault((0, off, chunk), []).append((timer() - t0, res))
         if log is not None:
             log(f"rep {rep + 1}/{reps} of {len(samples)} grid points done")
     shown.close()

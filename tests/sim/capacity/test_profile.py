@@ -187,3 +187,17 @@ def test_a_cost_model_prices_with_the_isa_it_was_profiled_on() -> None:
     assert CostModel(law, machine={"isa": "avx512"})(r) == pytest.approx(0.02)  # 2 passes
     assert CostModel(law, machine={"isa": "avx2"})(r) == 0.0  # 17 rows: the tile band
     assert CostModel(law, machine={"cpu": "x"})(r) == 0.0  # format 3: no panels
+
+
+def test_the_grid_times_the_last_chunk_of_long_prompts(tok: Tokenizer) -> None:
+    # A chunked prefill's step: 512 prompt tokens after `off` already in the KV cache, so its
+    # attention pairs are 512 x off plus the chunk's own triangle.
+    grid = {**QUICK_GRID, "chunk_offsets": (1024,)}
+    points = measure_grid(StubModel(tok, max_position_embeddings=4096), tok, grid, reps=1,
+                          timer=counting_timer())  # type: ignore[arg-type]
+    (last,) = [p for p in points if p.context == 1024]
+    f = dict(zip(FEATURES, last.features, strict=True))
+    assert (last.decode, last.prefill) == (0, 512)
+    assert (f["prefill_tokens"], f["decode_seqs"]) == (512, 0)
+    assert f["prefill_attention"] == 512 * 1024 + 512 * 513 // 2
+    assert len(points) == 20  # QUICK_GRID's 19 and this one
