@@ -39,6 +39,7 @@ class Work:
     prefill_seqs: int = 0
     decode_context: int = 0
     prefill_attention: int = 0
+    prefill_cached_pairs: int = 0
 
 
 def plain_greedy(p: SamplingParams) -> bool:
@@ -132,6 +133,7 @@ def advance(schedule: Schedule, kv: KVManager) -> Work:
             w.prefill += s.num_tokens
             w.prefill_seqs += 1
             w.prefill_attention += (end * (end + 1) - start * (start + 1)) // 2
+            w.prefill_cached_pairs += s.num_tokens * start
         req.num_computed = end
         kv.commit(req)
     return w

@@ -146,7 +146,8 @@ class Engine:
         self._decode_tokens += w.decode
         done = tuple(self._update(req, tok, lp) for req, tok, lp in ran.draws())
         return StepResult(self.num_steps, done, preempted, w.prefill, w.decode,
-                          w.prefill_seqs, w.decode_context, w.prefill_attention)
+                          w.prefill_seqs, w.decode_context, w.prefill_attention,
+                          w.prefill_cached_pairs)
 
     def _fail_step(self, schedule: Schedule, exc: Exception) -> tuple[Update, ...]:
         """End every request the failed step scheduled (all its completions) with the error."""

@@ -27,10 +27,13 @@ class StepResult:
     num_decode_tokens: int
     # What a step-cost model needs beyond token counts (sim/capacity/cost.py): rows in prefill, and
     # the attention work as (query, key) pairs: a decode row attends to its whole context,
-    # a prefill chunk [start, end) causally to sum(p + 1 for p in range(start, end)).
+    # a prefill chunk [start, end) causally to sum(p + 1 for p in range(start, end)); of
+    # those, the pairs with keys already in the cache (the chunk's rows x start), which a
+    # continuation chunk reads back through its block table.
     num_prefill_seqs: int = 0
     decode_context: int = 0
     prefill_attention: int = 0
+    prefill_cached_pairs: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,8 @@ from sim.load.spec import parse_load_spec
 from sim.load.workload import file_workload, spec_workload
 
 # A plausible CPU step law for when no measured model is given (SmolLM2-like magnitudes).
-SYNTHETIC = CostModel((0.03, 2e-4, 1e-3, 3e-3, 1e-6, 1e-8, 5e-3, 0.0, 0.0), name="synthetic-bench")
+SYNTHETIC = CostModel((0.03, 2e-4, 1e-3, 3e-3, 1e-6, 1e-8, 5e-3, 0.0, 0.0, 0.0),
+                      name="synthetic-bench")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,6 +9,13 @@ counts, each with a physical reason:
             + d * decode_seqs            (matmuls, sampling and detokenizing one token per row)
             + e * decode_context         (decode attention: a row reads its whole KV)
             + f * prefill_attention      (causal attention of the prefill chunks, pairs)
+            + j * prefill_cached_pairs   (of those, the pairs whose keys were cached before
+                                          the step: a continuation chunk's, or a prompt's
+                                          after a prefix-cache hit; these run another
+                                          kernel, a masked SDPA over keys read back from
+                                          the blocks, cheaper per pair: a per-pair cost
+                                          fitted on fresh prompts alone over-priced a
+                                          3584-token prompt's last chunk by 24%)
             + g * batched                (1 when the step multiplies two or more rows by
                                           the weights: a packed gemm, where one row is a
                                           gemv; on this CPU 60 ms at one row, 75 at two)
@@ -47,10 +54,10 @@ from nanoserve.model.quant import row_path
 from sim.files import atomic_write_text
 
 FEATURES = ("const", "prefill_tokens", "prefill_seqs", "decode_seqs", "decode_context",
-            "prefill_attention", "batched", "tile_rows", "panel_blocks")
+            "prefill_attention", "batched", "tile_rows", "panel_blocks", "prefill_cached_pairs")
 # Format 2 added `batched`, format 3 `tile_rows`, format 4 `panel_blocks` (and
-# machine["isa"]). An older file is the same law without them, so it still loads, with
-# those coefficients 0.
+# machine["isa"]) and `prefill_cached_pairs`. An older file is the same law without them,
+# so it still loads, with those coefficients 0.
 COST_FORMAT = 4
 _FORMATS = {1: FEATURES[:6], 2: FEATURES[:7], 3: FEATURES[:8], 4: FEATURES}
 
@@ -65,7 +72,8 @@ def step_features(r: StepResult, isa: str | None = None) -> tuple[float, ...]:
     passes = -(-rows // X_ROWS[isa]) if path == "panels" and isa is not None else 0
     return (1.0, float(r.num_prefill_tokens), float(r.num_prefill_seqs),
             float(r.num_decode_tokens), float(r.decode_context), float(r.prefill_attention),
-            1.0 if rows >= 2 else 0.0, float(tile), float(passes))
+            1.0 if rows >= 2 else 0.0, float(tile), float(passes),
+            float(r.prefill_cached_pairs))
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,7 +192,7 @@ def fit_coefficients(
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
-    """Gaussian elimination with partial pivoting (k is at most nine)."""
+    """Gaussian elimination with partial pivoting (k is at most ten)."""
     n = len(b)
     m = [row[:] + [b[i]] for i, row in enumerate(a)]
     for col in range(n):

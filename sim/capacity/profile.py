@@ -8,10 +8,9 @@ times, every cell in turn takes one untimed step and the steps that decode its D
 prefill a new prompt of each size P (max_tokens 1, so it leaves at once; the prefix cache
 is off, so nothing is reused), timed; the median over reps is kept. Contexts grow by one
 token per step, which the features record exactly. The prompt-only cell also times the
-last chunk of long prompts (`chunk_offsets`: a 512-token chunk after 1024 and 3072 tokens),
-a chunked prefill's step: its attention pairs (chunk x context) are ten times a fresh
-448-token prompt's, and a per-pair cost fitted on fresh prompts alone over-priced them
-(measured: +24% on the last chunk of a 3584-token prompt).
+last chunk of long prompts (`chunk_offsets`: a 512-token chunk after 1024, 2048 and 3072
+tokens), a chunked prefill's step, whose attention reads cached keys (cost.py's
+prefill_cached_pairs) that fresh prompts never have.
 
 The fit is checked before it is trusted: a seeded quarter of the grid points is held out,
 the model is fitted on the rest, and its relative error on the held-out points is printed
@@ -55,7 +54,7 @@ from sim.cli_util import guarded
 # Decode 16 is one pass over the weights' panels where 32 and 33 rows (32 decoding + a
 # prompt) are two and three: what separates a row's cost from a pass's (cost.py).
 GRID = {"decode": (0, 1, 2, 4, 8, 16, 32), "context": (32, 256, 640),
-        "prefill": (0, 32, 96, 224, 448), "chunk_offsets": (1024, 3072)}
+        "prefill": (0, 32, 96, 224, 448), "chunk_offsets": (1024, 2048, 3072)}
 QUICK_GRID = {"decode": (0, 1, 6), "context": (16, 48), "prefill": (0, 8, 24, 40)}
 
 

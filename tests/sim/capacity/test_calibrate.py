@@ -26,12 +26,12 @@ def ticking(step_s: float) -> object:
 
 
 def test_speed_is_measured_over_priced_on_the_check_grid(tok: Tokenizer) -> None:
-    flat = CostModel((0.25, 0, 0, 0, 0, 0, 0, 0, 0))  # every step 250 ms
+    flat = CostModel((0.25,) + (0,) * 9)  # every step 250 ms
     assert machine_speed(StubModel(tok), tok, flat, reps=1,
                          timer=ticking(0.5)) == pytest.approx(2.0)  # type: ignore[arg-type]
     # Priced by what each measured step computed: a model that charges per decode row sees
     # the 1-row and 8-row points at different ratios and takes their geometric mean.
-    rows = CostModel((0, 0, 0, 0.1, 0, 0, 0, 0, 0))
+    rows = CostModel((0, 0, 0, 0.1) + (0,) * 6)
     speed = machine_speed(StubModel(tok), tok, rows, reps=1,
                           timer=ticking(0.4))  # type: ignore[arg-type]
     assert CHECK_GRID["decode"] == (1, 8)
@@ -40,8 +40,8 @@ def test_speed_is_measured_over_priced_on_the_check_grid(tok: Tokenizer) -> None
 
 
 def test_scaled_prices_every_step_by_the_factor() -> None:
-    cost = CostModel((0.02, 1e-4, 3e-3, 2e-3, 4e-6, 2e-8, 5e-3, 1e-4, 0.0), name="m.json")
-    x = (1.0, 96.0, 1.0, 8.0, 2000.0, 4656.0, 1.0, 104.0, 0.0)
+    cost = CostModel((0.02, 1e-4, 3e-3, 2e-3, 4e-6, 2e-8, 5e-3, 1e-4, 0.0, 0.0), name="m.json")
+    x = (1.0, 96.0, 1.0, 8.0, 2000.0, 4656.0, 1.0, 104.0, 0.0, 0.0)
     slow = scaled(cost, 1.25)
     assert slow.predict(x) == pytest.approx(1.25 * cost.predict(x))
     assert slow.name == "m.json x1.250"

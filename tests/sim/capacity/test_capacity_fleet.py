@@ -35,7 +35,7 @@ from sim.load.synthetic import generate_load
 from sim.load.workload import SimRequest, spec_workload, trace_workload
 from sim.trace.write import write_trace
 
-COST = CostModel((0.01, 1e-4, 5e-4, 2e-3, 2e-6, 1e-8, 0.0, 0.0, 0.0), name="synthetic")
+COST = CostModel((0.01, 1e-4, 5e-4, 2e-3, 2e-6, 1e-8, 0.0, 0.0, 0.0, 0.0), name="synthetic")
 
 
 def config(**kw: object) -> EngineConfig:
@@ -130,8 +130,10 @@ def test_step_result_counts_the_attention_work(tok: Tokenizer) -> None:
     first = e.step()  # a chunk of 8 of the 10-token prompt: positions 0..7
     assert (first.num_prefill_tokens, first.num_prefill_seqs) == (8, 1)
     assert first.prefill_attention == sum(p + 1 for p in range(8))
+    assert first.prefill_cached_pairs == 0  # a first chunk: no key was cached before it
     second = e.step()  # the last 2 prompt tokens, causal over all 10
     assert second.prefill_attention == 9 + 10
+    assert second.prefill_cached_pairs == 2 * 8  # both rows read the 8 cached keys
     third = e.step()  # one decode row with 11 tokens of context
     assert (third.num_decode_tokens, third.decode_context, third.num_prefill_seqs) == (1, 11, 0)
 

@@ -25,7 +25,7 @@ from sim.load.spec import parse_load_spec
 from sim.load.workload import spec_workload
 
 # test_capacity.py's synthetic cost model and engine: fast, and with a knee in range.
-COST = CostModel((0.01, 1e-4, 5e-4, 2e-3, 2e-6, 1e-8, 0.0, 0.0, 0.0), name="synthetic-test",
+COST = CostModel((0.01, 1e-4, 5e-4, 2e-3, 2e-6, 1e-8, 0.0, 0.0, 0.0, 0.0), name="synthetic-test",
                  model="stub", machine={"cpu": "test"}, kv_bytes_per_token=46080)
 ENGINE = EngineConfig(num_blocks=512, max_model_len=2048, max_num_seqs=16,
                       max_num_batched_tokens=256)

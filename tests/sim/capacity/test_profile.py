@@ -16,7 +16,7 @@ from sim.capacity.cost import FEATURES, CostModel, fit_coefficients, load_cost_m
 from sim.capacity.profile import QUICK_GRID, fit_profile, measure_grid
 from sim.cli import main
 
-LAW = (0.02, 1.5e-4, 3e-3, 2.5e-3, 4e-6, 2e-8, 6e-3, 4e-4, 0.0)  # a known "machine"
+LAW = (0.02, 1.5e-4, 3e-3, 2.5e-3, 4e-6, 2e-8, 6e-3, 4e-4, 0.0, 0.0)  # a known "machine"
 
 
 def counting_timer() -> object:
@@ -81,13 +81,13 @@ def test_fit_recovers_a_linear_law_and_holds_out_a_quarter(tok: Tokenizer) -> No
 
 def test_fit_weights_relative_error() -> None:
     # Two regimes no line fits exactly: the fit balances relative, not absolute, error.
-    xs = [(1.0, float(n), 0, 0, 0, 0, 0, 0, 0) for n in (1, 2, 100, 200)]
+    xs = [(1.0, float(n), 0, 0, 0, 0, 0, 0, 0, 0) for n in (1, 2, 100, 200)]
     ys = [0.011, 0.012, 0.2, 0.5]
     coef = fit_coefficients(xs, ys, use=("const", "prefill_tokens"))
     m = CostModel(coef)
     errs = [abs(m.predict(x) - y) / y for x, y in zip(xs, ys, strict=True)]
     assert max(errs[:2]) < 0.35  # an absolute fit would miss the 11 ms steps by 4x
-    assert coef[2:] == (0.0,) * 7
+    assert coef[2:] == (0.0,) * 8
 
 
 def test_cost_model_prices_a_step_and_round_trips(tmp_path: Path) -> None:
@@ -95,11 +95,11 @@ def test_cost_model_prices_a_step_and_round_trips(tmp_path: Path) -> None:
                   kv_bytes_per_token=46080)
     r = StepResult(1, (), (), 100, 8, 2, 800, 5050)
     # 108 rows: through the quantized tile kernel (more than 8, fewer than 128).
-    assert step_features(r) == (1.0, 100.0, 2.0, 8.0, 800.0, 5050.0, 1.0, 108.0, 0.0)
+    assert step_features(r) == (1.0, 100.0, 2.0, 8.0, 800.0, 5050.0, 1.0, 108.0, 0.0, 0.0)
     assert m(r) == pytest.approx(0.02 + 0.015 + 0.006 + 0.02 + 0.0032 + 1.01e-4 + 0.006
                                  + 0.0432)
     one = StepResult(2, (), (), 0, 1, 0, 200, 0)  # a lone decode row: the gemv, no `batched`
-    assert step_features(one) == (1.0, 0.0, 0.0, 1.0, 200.0, 0.0, 0.0, 0.0, 0.0)
+    assert step_features(one) == (1.0, 0.0, 0.0, 1.0, 200.0, 0.0, 0.0, 0.0, 0.0, 0.0)
     assert m(one) == pytest.approx(0.02 + 0.0025 + 0.0008)
     assert m.kv_gib(1024) == pytest.approx(1024 * 16 * 46080 / 2**30)
     path = tmp_path / "c.json"
@@ -112,21 +112,21 @@ def test_cost_model_prices_a_step_and_round_trips(tmp_path: Path) -> None:
         load_cost_model(path)
     with pytest.raises(ValueError, match="not a nanoserve cost model"):
         CostModel.from_dict({"coef": {}})
-    assert CostModel((-1.0,) + (0,) * 8).predict((1,) + (0,) * 8) == 0.0
+    assert CostModel((-1.0,) + (0,) * 9).predict((1,) + (0,) * 9) == 0.0
 
 
 def test_older_cost_models_load_without_the_newer_terms(tmp_path: Path) -> None:
     d = CostModel(LAW, name="law").to_dict()
     assert d["nanoserve_cost_model"] == 4
     d["nanoserve_cost_model"] = 3
-    del d["coef"]["panel_blocks"]
-    assert CostModel.from_dict(d).coef == LAW[:8] + (0.0,)
+    del d["coef"]["panel_blocks"], d["coef"]["prefill_cached_pairs"]
+    assert CostModel.from_dict(d).coef == LAW[:8] + (0.0, 0.0)
     d["nanoserve_cost_model"] = 2
     del d["coef"]["tile_rows"]
-    assert CostModel.from_dict(d).coef == LAW[:7] + (0.0, 0.0)
+    assert CostModel.from_dict(d).coef == LAW[:7] + (0.0,) * 3
     d["nanoserve_cost_model"] = 1
     del d["coef"]["batched"]
-    assert CostModel.from_dict(d).coef == LAW[:6] + (0.0, 0.0, 0.0)
+    assert CostModel.from_dict(d).coef == LAW[:6] + (0.0,) * 4
     d["coef"]["batched"] = 1.0  # format 1 never had it: a file that says 1 but has it is wrong
     with pytest.raises(ValueError, match="format 1 coef must have exactly the keys"):
         CostModel.from_dict(d)
@@ -182,7 +182,7 @@ def test_panel_passes_follow_the_kernels_of_the_machines_isa(
 
 
 def test_a_cost_model_prices_with_the_isa_it_was_profiled_on() -> None:
-    law = (0.0,) * 8 + (0.01,)
+    law = (0.0,) * 8 + (0.01, 0.0)
     r = StepResult(1, (), (), 0, 17, 0, 0, 0)
     assert CostModel(law, machine={"isa": "avx512"})(r) == pytest.approx(0.02)  # 2 passes
     assert CostModel(law, machine={"isa": "avx2"})(r) == 0.0  # 17 rows: the tile band
@@ -200,4 +200,5 @@ def test_the_grid_times_the_last_chunk_of_long_prompts(tok: Tokenizer) -> None:
     assert (last.decode, last.prefill) == (0, 512)
     assert (f["prefill_tokens"], f["decode_seqs"]) == (512, 0)
     assert f["prefill_attention"] == 512 * 1024 + 512 * 513 // 2
+    assert f["prefill_cached_pairs"] == 512 * 1024  # its keys before the step: cached
     assert len(points) == 20  # QUICK_GRID's 19 and this one

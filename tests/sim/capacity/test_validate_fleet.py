@@ -24,7 +24,7 @@ from sim.cli import main
 from sim.load.spec import parse_load_spec
 from sim.load.workload import SimRequest, spec_workload
 
-COST = CostModel((0.01, 1e-4, 5e-4, 2e-3, 2e-6, 1e-8, 0.0, 0.0, 0.0), name="synthetic")
+COST = CostModel((0.01, 1e-4, 5e-4, 2e-3, 2e-6, 1e-8, 0.0, 0.0, 0.0, 0.0), name="synthetic")
 CONFIG = EngineConfig(num_blocks=64, max_model_len=512, max_num_seqs=8,
                       max_num_batched_tokens=128)
 

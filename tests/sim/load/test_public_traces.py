@@ -35,7 +35,7 @@ AZURE = """TIMESTAMP,ContextTokens,GeneratedTokens
 2023-11-16 18:15:50.9951690,396,109
 2023-11-16 18:15:51.0000000,20,5
 """
-COST = CostModel((0.01, 1e-4, 5e-4, 2e-3, 2e-6, 1e-8, 0.0, 0.0, 0.0), name="synthetic-test",
+COST = CostModel((0.01, 1e-4, 5e-4, 2e-3, 2e-6, 1e-8, 0.0, 0.0, 0.0, 0.0), name="synthetic-test",
                  model="stub", machine={"cpu": "test"}, kv_bytes_per_token=46080)
 
 
