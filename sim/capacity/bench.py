@@ -1,14 +1,15 @@
 """The simulator's own speed: 10,000 requests on the engine-level virtual clock.
 
-    python -m sim.capacity.bench [--cost COST.json] [--n 10000] [--rate R] [--trace FILE]
+    python -m sim.capacity.bench [--cost COST.json] [--n 10000] [--rate R]
+                                 [--trace FILE [--own-times]]
 
 Prompts uniform 32..512 tokens, outputs uniform 16..256, Poisson arrivals at saturation,
 max_num_seqs 64; or, with --trace, the first N requests of a trace file (any format
-`sim capacity --trace` reads) at their own times unless --rate. Saturation (unless
---rate) is the request throughput of a short overloaded run (the first 500 requests, all
-at once), so the queue neither drains nor grows without bound. Prints the wall and CPU
-time of the simulation alone (workload building and the saturation probe are not
-counted), steps, and simulated tokens per second.
+`sim capacity --trace` reads), also at saturation (--own-times: at its own times).
+Saturation (unless --rate) is the request throughput of a short overloaded run (the
+first 500 requests, all at once), so the queue neither drains nor grows without bound.
+Prints the wall and CPU time of the simulation alone (workload building and the
+saturation probe are not counted), steps, and simulated tokens per second.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=10_000)
     p.add_argument("--rate", type=float)
     p.add_argument("--trace", metavar="FILE", help="a trace file instead of the synthetic load")
+    p.add_argument("--own-times", action="store_true",
+                   help="the trace at its own arrival times, not at saturation")
     p.add_argument("--engine", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                    help="engine settings over max_num_seqs=64 and the cost model's pool")
     a = p.parse_args(argv)
@@ -58,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         load = spec_workload(spec, tok)
     built = time.perf_counter() - t0
     rate = a.rate
-    if a.trace and rate is None:
+    if a.trace and rate is None and a.own_times:
         rate = load.base_rate  # the trace's own times
         what = "its own times"
     else:
