@@ -86,7 +86,7 @@ def add_trace_args(p: argparse.ArgumentParser, *, flag: bool = True) -> None:
                    help="replay X times faster than recorded [1]")
     g.add_argument("--ignore-prefixes", action="store_true",
                    help="prompts share no blocks even where the trace's hash_ids say so")
-    g.add_argument("--trace-seed", type=int, default=0, metavar="N",
+    g.add_argument("--trace-seed", type=flags.non_negative_int, default=0, metavar="N",
                    help="seed of the synthetic prompt tokens [0]")
 
 

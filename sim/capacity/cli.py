@@ -6,12 +6,13 @@
                [--engine k=v ...] [--out PREFIX] [--no-plots] [--jobs N]
                [--executor process|ray [--ray-address ADDR]]
                [--trace-format F] [--start S] [--duration S] [--speedup X] [--ignore-prefixes]
+  sim profile --model smollm2 [--out COST.json] [--quick]
+  sim validate (--load SPEC | --trace FILE) --cost COST.json [--runs 3] [--engine k=v ...]
+               [--report FILE]
 
 A TRACE is a nanoserve virtual-clock trace or a public one: Mooncake or Alibaba JSONL (with
 prefix blocks: prompts are built to share exactly the blocks the trace says they share),
-BurstGPT or Azure CSV.
-  sim profile --model smollm2 [--out COST.json] [--quick]
-  sim validate --load SPEC --cost COST.json [--runs 3] [--engine k=v ...]
+BurstGPT or Azure CSV (sim/load/public.py).
 """
 
 from __future__ import annotations

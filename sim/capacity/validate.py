@@ -180,7 +180,11 @@ def run_validate(a: argparse.Namespace) -> int:
         runs = "\n".join(
             f"run {k + 1}: contention {c:.2f}x, machine speed x{measured.speeds[k]:.3f} before, "
             f"x{measured.speeds[k + 1]:.3f} after" for k, c in enumerate(measured.contention))
-        given = f"--load {a.load}" if a.load else f"--trace {a.trace}"
+        defaults = {"trace_format": None, "start": 0.0, "duration": None, "speedup": 1.0,
+                    "trace_seed": 0}
+        given = f"--load {a.load}" if a.load else f"--trace {a.trace}" + "".join(
+            f" --{k.replace('_', '-')} {getattr(a, k)}" for k, d in defaults.items()
+            if getattr(a, k) != d) + (" --ignore-prefixes" if a.ignore_prefixes else "")
         atomic_write_text(a.report, f"sim validate {given} --cost {a.cost} --model {a.model} "
                           f"--runs {a.runs}\nengine: {config}\n"
                           f"machine: {json.dumps(machine_info())}\n{text}\n{runs}\n")

@@ -170,8 +170,8 @@ def public_workload(trace: PublicTrace, vocab_size: int = 49152, *, seed: int = 
     blocks: dict[int, list[int]] = {}
 
     def draw(key: list[int], k: int) -> list[int]:
-        # numpy's PCG64 seeded by the key: a 512-token block in microseconds, where
-        # random.Random would take a millisecond.
+        # numpy's PCG64 seeded by the key: a whole block in one vectorised draw (a
+        # Mooncake trace names millions of tokens).
         rng = np.random.Generator(np.random.PCG64(key))
         return rng.integers(_FIRST_ORDINARY_ID, hi, size=k, endpoint=True).tolist()
 

@@ -87,9 +87,14 @@ def test_validate_cli_measures_a_two_replica_fleet(tmp_path: Path, tok: Tokenize
     code = main(["validate", "--model", "stub", "--load", "n=6,rate=40,prompt=fixed:24,"
                  "output=fixed:5", "--cost", str(cost), "--runs", "2", "--threads", "1",
                  "--replicas", "2", "--router", "round_robin", "--engine", "num_blocks=128",
-                 "max_model_len=1024", "--out", str(out), "--quiet"])
+                 "max_model_len=1024", "--out", str(out), "--quiet", "--report",
+                 str(tmp_path / "calibration.txt")])
     assert code == 0
     printed = capsys.readouterr().out
+    report = (tmp_path / "calibration.txt").read_text()
+    assert report.startswith("sim validate --load n=6,rate=40,prompt=fixed:24,output=fixed:5 ")
+    assert "output_token_throughput" in report
+    assert "run 2: contention" in report
     assert "2 replicas, router round_robin" in printed
     assert "placed on the simulator's replica: 100% 100%" in printed
     rep = json.loads(out.read_text())
