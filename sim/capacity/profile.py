@@ -44,7 +44,8 @@ from nanoserve.tokenizer import Tokenizer
 from sim.capacity.cost import FEATURES, CostModel, fit_coefficients, relative_errors, step_features
 from sim.cli_util import guarded
 
-# Decode rows, their context, prompt tokens. Sized for a 2-core CPU: a few minutes.
+# Decode rows, their context, prompt tokens. Sized for a 2-core CPU: about nine minutes
+# for SmolLM2 on one thread.
 # Five prefill sizes: the cost is fitted in P, P² (attention) and whether P > 0, and a
 # held-out point must not be the one that pins a coefficient. Decode counts 1 and 2 both,
 # because a step is not linear there: one row multiplies by the weights as a gemv, two or
