@@ -14,6 +14,7 @@ every KV block is free. Valid bodies must get a 200: the document promises they 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import jsonschema_rs
@@ -257,12 +258,16 @@ async def test_mutated_requests_get_4xx_error_objects(reqs: list[Req]) -> None:
     await fuzz(reqs)
 
 
+# "//health" is /health to the server (the request's path has its slashes merged before
+# routing and before the key check), so it is the one route without a key too; found by
+# this test on 2026-12-05, in a run that drew it.
+@example([("GET", "//health", b"", {}), ("GET", "//v1/models", b"", {})])
 @settings(FUZZ, max_examples=30)
 @given(st.lists(st.one_of(mutated(), odd_route, valid.map(lambda pb: as_req(*pb))),
                 min_size=1, max_size=4))
 async def test_with_api_key_every_route_but_health_is_401(reqs: list[Req]) -> None:
     answers = await fuzz(reqs, api_key="sk-fuzz")
     for (method, path, _, _), r in zip(reqs, answers, strict=True):
-        if path != "/health":  # unknown routes too: routing errors come after the key
-            assert r.status == 401, (method, path, r.body)
+        if re.sub("/+", "/", path) != "/health":  # unknown routes too: routing errors
+            assert r.status == 401, (method, path, r.body)  # come after the key
     assert "sk-fuzz" not in repr(ServerConfig("m", api_key="sk-fuzz"))
