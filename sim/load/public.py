@@ -70,10 +70,6 @@ class PublicTrace:
     block_tokens: int | None  # tokens per hash_ids block (None: no prefix structure)
     dropped: dict[str, int] = field(default_factory=dict)  # reason -> rows left out
 
-    @property
-    def has_prefixes(self) -> bool:
-        return self.block_tokens is not None
-
     def describe(self) -> dict[str, Any]:
         """What a report says of the trace it planned on."""
         return {"format": self.format, "file": self.source,
