@@ -122,7 +122,7 @@ def read_public_trace(path: str | os.PathLike[str], fmt: str | None = None) -> P
     else:
         with open(path, encoding="utf-8", newline="") as f:
             reader = _jsonl(f, name, fmt) if fmt in BLOCK_TOKENS else _burstgpt(f, name)
-            rows = [r for r in _keep(reader, dropped)]
+            rows = list(_keep(reader, dropped))
     rows.sort(key=lambda r: r.at_s)
     t0 = rows[0].at_s if rows else 0.0
     rows = [replace(r, at_s=r.at_s - t0) for r in rows]
@@ -174,7 +174,6 @@ def _burstgpt(lines: Iterable[str], name: str) -> Iterator[TraceRow | str]:
     missing = [c for c in _BURSTGPT_COLUMNS if c not in head]
     if missing:
         raise ConvertError(f"{name} line 1: missing column(s) {', '.join(missing)}")
-    ts, req, resp = (head.index(c) for c in _BURSTGPT_COLUMNS)
     for cells in reader:
         n = reader.line_num
         if not cells:
