@@ -47,6 +47,7 @@ class Tokenizer:
         self.special_ids = frozenset(
             i for t, i in tok.get_vocab(with_added_tokens=True).items() if t in special
         )
+        self._texts: list[str] | None = None
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> Tokenizer:
@@ -111,6 +112,15 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def token_texts(self) -> list[str]:
+        """Each id's text decoded alone, special tokens included: "\ufffd" where the id
+        holds part of a multi-byte character (a byte-level BPE fragment, a byte-fallback
+        piece). Built once, on first use (a tenth of a second for 49,152 ids)."""
+        if self._texts is None:
+            ids = [[i] for i in range(self.vocab_size)]
+            self._texts = [str(t) for t in self._tok.decode_batch(ids, skip_special_tokens=False)]
+        return self._texts
 
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary's own string for the id (transformers' `convert_ids_to_tokens`):

@@ -141,3 +141,43 @@ def test_prefix_caching_off_never_hits() -> None:
     kv.commit(a)
     kv.free(a)
     assert kv.find_prefix(_req("b", list(range(9)))) == []
+
+
+def test_a_waiting_request_names_its_blocks_once_however_often_it_is_looked_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A queue head that finds no room is looked up again every step: the names of its
+    # blocks are a function of its tokens, computed once (Request.chain) and then reused
+    # by later look-ups and by `commit`.
+    import nanoserve.engine.kv as kv_module
+
+    pool = BlockPool(8, 4)
+    kv = KVManager(pool)
+    tokens = list(range(100, 114))
+    first = _req("a", tokens)
+    assert kv.allocate(first, 14)
+    first.num_computed = 14
+    kv.commit(first)
+
+    named: list[tuple[int | None, tuple[int, ...]]] = []
+
+    def counting(parent: int | None, toks: list[int]) -> int:
+        named.append((parent, tuple(toks)))
+        return chain_hash(parent, toks)
+
+    monkeypatch.setattr(kv_module, "chain_hash", counting)
+    second = _req("b", tokens[:8] + [7, 7, 7, 7, 7, 7, 7])  # 3 full blocks, the third new
+    for _ in range(4):
+        assert kv.find_prefix(second) == [0, 1]
+    assert len(named) == 3  # blocks 0, 1 (hits) and 2 (the miss), each named once
+    assert second.chain == [*first.block_hashes[:2], chain_hash(first.block_hashes[1],
+                                                                [7, 7, 7, 7])]
+    s = pool.statistics()
+    assert (s.prefix_queries, s.prefix_hits) == (12, 8)  # every look-up is still counted
+
+    assert kv.allocate(second, 7, [0, 1])
+    second.num_computed = 15
+    kv.commit(second)
+    assert len(named) == 3  # commit took block 2's name from the chain
+    assert second.block_hashes == second.chain
+    assert pool.block_hash(second.blocks[2]) == second.chain[2]

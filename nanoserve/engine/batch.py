@@ -92,7 +92,11 @@ def build_batch(
         else:
             b.input_ids.extend(req.token_ids[start:end])
             b.positions.extend(range(start, end))
-            b.slot_mapping.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            # Slots a block at a time: a run of consecutive slots per block.
+            for j in range(start // bs, (end - 1) // bs + 1):
+                base = blocks[j] * bs - j * bs
+                b.slot_mapping.extend(range(base + max(start, j * bs),
+                                            base + min(end, (j + 1) * bs)))
         b.query_lens.append(s.num_tokens)
         b.context_lens.append(end)
         b.block_tables.append(blocks)
@@ -101,7 +105,7 @@ def build_batch(
         # see the same model, as they would with real weights.
         group_seed = group_params[req.group].seed
         b.seeds.append(group_seed if group_seed is not None else 0)
-        if s.samples:
+        if end == len(req.token_ids):  # s.samples: this step reaches its last token
             sample_rows.append(len(b.logits_indices))
             b.logits_indices.append(len(b.input_ids) - 1)
             samplers.append(req)

@@ -91,16 +91,24 @@ class BlockPool:
 
     # -- prefix cache ----------------------------------------------------------------------
 
-    def lookup_prefix(self, token_ids: Sequence[int], max_blocks: int) -> list[int]:
+    def lookup_prefix(self, token_ids: Sequence[int], max_blocks: int,
+                      names: list[int] | None = None) -> list[int]:
         """Blocks already holding the longest cached prefix of `token_ids` (full blocks only,
-        at most `max_blocks`). Does not take a reference: `acquire` the result to keep it."""
+        at most `max_blocks`). Does not take a reference: `acquire` the result to keep it.
+        `names`: the names of token_ids' first blocks known so far, extended with those
+        this look-up computes (Request.chain)."""
         if not self.prefix_caching:
             return []
         bs = self.block_size
         found: list[int] = []
         parent: int | None = None
         for i in range(min(max_blocks, len(token_ids) // bs)):
-            h = chain_hash(parent, token_ids[i * bs : (i + 1) * bs])
+            if names is not None and i < len(names):
+                h = names[i]
+            else:
+                h = chain_hash(parent, token_ids[i * bs : (i + 1) * bs])
+                if names is not None:
+                    names.append(h)
             self._queries += 1
             block = self._by_hash.get(h)
             if block is None:
@@ -110,13 +118,15 @@ class BlockPool:
             parent = h
         return found
 
-    def register_full_block(self, block: int, parent: int | None, tokens: Sequence[int]) -> int:
-        """Name a block that has just become full; returns its hash for the next block's chain.
+    def register_full_block(self, block: int, parent: int | None, tokens: Sequence[int],
+                            name: int | None = None) -> int:
+        """Name a block that has just become full; returns its hash for the next block's chain
+        (`name` when the caller knows it already: chain_hash(parent, tokens)).
 
         If another block already carries this name (two requests computed the same prefix at
         the same time), the first one keeps it: a name maps to exactly one block.
         """
-        h = chain_hash(parent, tokens)
+        h = chain_hash(parent, tokens) if name is None else name
         if self.prefix_caching and self._hash[block] is None and h not in self._by_hash:
             self._hash[block] = h
             self._by_hash[h] = block
@@ -195,7 +205,8 @@ class KVManager:
         very positions whose logits it asked for."""
         if req.needs_prompt_logprobs:
             return []
-        return self.pool.lookup_prefix(req.token_ids, (req.num_tokens - 1) // self.block_size)
+        return self.pool.lookup_prefix(req.token_ids, (req.num_tokens - 1) // self.block_size,
+                                       req.chain)
 
     def allocate(self, req: Request, num_new: int, hits: Sequence[int] = ()) -> bool:
         """Make room for `num_new` more tokens of `req` (after taking the prefix `hits`).
@@ -219,11 +230,16 @@ class KVManager:
     def commit(self, req: Request) -> None:
         """Name the blocks that the last step filled, so later requests can reuse them."""
         bs = self.block_size
+        chain = req.chain
         while len(req.block_hashes) < req.num_computed // bs:
             i = len(req.block_hashes)
             parent = req.block_hashes[-1] if req.block_hashes else None
             tokens = req.token_ids[i * bs : (i + 1) * bs]
-            req.block_hashes.append(self.pool.register_full_block(req.blocks[i], parent, tokens))
+            h = self.pool.register_full_block(req.blocks[i], parent, tokens,
+                                              chain[i] if i < len(chain) else None)
+            if i == len(chain):
+                chain.append(h)
+            req.block_hashes.append(h)
 
     def free(self, req: Request) -> None:
         self.pool.release(req.blocks)

@@ -54,6 +54,10 @@ class Request:
     num_cached_prompt: int = 0  # prompt tokens served by the prefix cache on admission
     blocks: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # names of the full blocks, in order
+    # The names (kv.chain_hash) of token_ids' first full blocks, as far as they have been
+    # computed: a function of the tokens alone, which only grow, so it outlives a preemption
+    # (a request waiting for room is looked up again every step).
+    chain: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None

@@ -16,7 +16,6 @@ completions that share a history, the n siblings of one request, almost never pa
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
@@ -38,6 +37,7 @@ _NUM_CANDIDATES = 6
 # the masks do); below, the per-row Python loop is cheaper than the array set-up.
 _VECTOR_ROWS = 8
 _TAIL = 4  # history tokens the hash reads
+_U32, _U3, _LOW32 = np.uint64(32), np.uint64(3), np.uint64(0xFFFFFFFF)
 STUB_CONTEXT = 8192  # the stub's context length, as SmolLM2's
 # A prompt holding `⟪say⟫TEXT⟪/say⟫` makes the stub say TEXT (its tokens, then EOS; the last
 # such script where there are several): the tests' scripted outputs (tool-call markup,
@@ -49,29 +49,54 @@ _SCRIPTS_KEPT = 1024  # sequences whose script (or its absence) is remembered
 class Scripts:
     """What prompts tell the stub to say (`SAY_OPEN`...`SAY_CLOSE`), each sequence's prompt
     read once: id(history) -> (the history list itself, its script's tokens or None), the
-    last `_SCRIPTS_KEPT` sequences."""
+    last `_SCRIPTS_KEPT` sequences first seen (one forgotten is only read again)."""
 
     def __init__(self, tokenizer: Tokenizer, eos: int) -> None:
         self._tokenizer = tokenizer
         self._eos = eos
-        self._seen: OrderedDict[int, tuple[Sequence[int], list[int] | None]] = OrderedDict()
+        self._seen: dict[int, tuple[Sequence[int], list[int] | None]] = {}
+        self._suspects: frozenset[int] | None = None
 
     def _script(self, hist: Sequence[int]) -> list[int] | None:
         """The tokens the prompt in `hist` tells the stub to say, if it does."""
-        key = id(hist)
-        got = self._seen.get(key)
+        got = self._seen.get(id(hist))
         if got is not None and got[0] is hist:
-            self._seen.move_to_end(key)
             return got[1]
+        script = self._read(hist) if self._may_say(hist) else None
+        self._seen[id(hist)] = (hist, script)
+        if len(self._seen) > _SCRIPTS_KEPT:
+            del self._seen[next(iter(self._seen))]
+        return script
+
+    def _read(self, hist: Sequence[int]) -> list[int] | None:
         text = self._tokenizer.decode(list(hist), skip_special_tokens=False)
         start = text.rfind(SAY_OPEN)  # the last: a tool result may script the next turn
         end = text.find(SAY_CLOSE, start)
-        script = (self._tokenizer.encode(text[start + len(SAY_OPEN):end])
-                  if start >= 0 and end > start else None)
-        self._seen[key] = (hist, script)
-        if len(self._seen) > _SCRIPTS_KEPT:
-            self._seen.popitem(last=False)
-        return script
+        return (self._tokenizer.encode(text[start + len(SAY_OPEN):end])
+                if start >= 0 and end > start else None)
+
+    def _may_say(self, hist: Sequence[int]) -> bool:
+        """Whether `hist`'s text can hold SAY_OPEN's first character, found without decoding
+        it all (a simulated prompt is thousands of tokens, a decode of it a third of a
+        millisecond): that character is in the text only inside one token, or split over a
+        run of consecutive tokens each of which holds part of a multi-byte character, and
+        both kinds are `suspects`; so only the runs of suspects are decoded."""
+        if self._suspects is None:
+            mark = SAY_OPEN[0]
+            self._suspects = frozenset(i for i, t in enumerate(self._tokenizer.token_texts())
+                                       if mark in t or "\ufffd" in t)
+        suspects = self._suspects
+        if suspects.isdisjoint(hist):
+            return False
+        at = [i for i, t in enumerate(hist) if t in suspects]
+        first = 0
+        for k in range(1, len(at) + 1):
+            if k == len(at) or at[k] != at[k - 1] + 1:  # the end of a run
+                run = hist[at[first]:at[k - 1] + 1]
+                if SAY_OPEN[0] in self._tokenizer.decode(list(run), skip_special_tokens=False):
+                    return True
+                first = k
+        return False
 
     def next_token(self, hist: Sequence[int], upto: int) -> int | None:
         """The scripted next token after hist[:upto] (EOS once it is all said), or None:
@@ -83,6 +108,19 @@ class Scripts:
             if list(hist[upto - k:upto]) == script[:k]:
                 return script[k] if k < len(script) else self._eos
         return script[0] if script else self._eos
+
+    def said(self, histories: Sequence[Sequence[int]],
+             rows: Sequence[tuple[int, int]]) -> list[int | None] | None:
+        """`next_token` for each (row, upto), or None when no row's prompt scripts anything
+        (the common case, found with one look-up a row)."""
+        seen = self._seen
+        for row, _ in rows:
+            hist = histories[row]
+            got = seen.get(id(hist))
+            script = got[1] if got is not None and got[0] is hist else self._script(hist)
+            if script is not None:
+                return [self.next_token(histories[r], upto) for r, upto in rows]
+        return None
 
 
 class StubModel:
@@ -127,6 +165,8 @@ class StubModel:
         for a, b in self._next.items():
             self._next_array[a] = b
         self._eos_cut = int(eos_prob * (1 << 32))
+        self._eos_cut_u64 = np.uint64(self._eos_cut)
+        self._pool_len = np.uint64(len(self._pool_array))
         self._values = torch.tensor([10.0, 9.25, 8.75, 8.25, 7.75, 7.25])[:_NUM_CANDIDATES]
         self._scripts = Scripts(tokenizer, self._eos)
 
@@ -195,10 +235,11 @@ class StubModel:
         logits: the engine's fast path when every row is plain greedy. Simulation runs
         millions of such rows, and the logits tensor and its argmax were most of a step."""
         rows = self._logits_rows(batch)
-        said = [self._scripts.next_token(batch.histories[row], upto) for row, upto in rows]
-        if (len(rows) >= _VECTOR_ROWS and all(upto >= _TAIL for _, upto in rows)
-                and all(t is None for t in said)):
-            return self._top_array(batch, rows)
+        said = self._scripts.said(batch.histories, rows)
+        if said is None:
+            if len(rows) >= _VECTOR_ROWS and all(upto >= _TAIL for _, upto in rows):
+                return self._top_array(batch, rows)
+            said = [None] * len(rows)
         out: list[int] = []
         for (row, upto), token in zip(rows, said, strict=True):
             hist = batch.histories[row]
@@ -218,12 +259,13 @@ class StubModel:
         for k in range(_TAIL):
             h = mix64_array(h ^ tails[:, k])
         follow = self._next_array[tails[:, -1].astype(np.int64)]
-        take_follow = (follow >= 0) & ((h >> np.uint64(32)) % np.uint64(4) != 0)
-        picks = mix64_array(h) % np.uint64(len(self._pool_array))
+        take_follow = (follow >= 0) & (((h >> _U32) & _U3) != 0)  # (h >> 32) % 4 != 0
+        picks = mix64_array(h) % self._pool_len
         pool = self._pool_array[picks.astype(np.int64)]
         out = np.where(take_follow, follow, pool)
-        out = np.where((h & np.uint64(0xFFFFFFFF)) < np.uint64(self._eos_cut), self._eos, out)
-        return [int(t) for t in out]
+        if self._eos_cut:
+            out = np.where((h & _LOW32) < self._eos_cut_u64, self._eos, out)
+        return out.tolist()
 
     def _logits_rows(self, batch: ForwardBatch) -> list[tuple[int, int]]:
         """(row, history length up to and including the token) for each logits index."""

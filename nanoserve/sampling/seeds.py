@@ -23,10 +23,19 @@ def mix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MUL1, _MUL2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_S27, _S30, _S31 = np.uint64(27), np.uint64(30), np.uint64(31)
+
+
 def mix64_array(x: np.ndarray) -> np.ndarray:
     """`mix64` over a uint64 array (numpy's uint64 arithmetic wraps at 2**64, as the masks
-    do)."""
-    x = x + np.uint64(0x9E3779B97F4A7C15)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
+    do); a new array. The constants are made once and the rounds run in place: on the
+    stub's arrays of a few dozen rows numpy's per-call overhead is the whole cost."""
+    x = x + _GOLDEN
+    x ^= x >> _S30
+    x *= _MUL1
+    x ^= x >> _S27
+    x *= _MUL2
+    x ^= x >> _S31
+    return x
