@@ -14,7 +14,6 @@ everything in flight and stop; a failing loop does the same. Either way the brid
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -172,7 +171,7 @@ class EngineLoop:
         self.aborted += 1
         if entry.admitted:
             for final in self._engine.abort_request(entry.request_id):
-                self.ledger.route(dataclasses.replace(final, error=why))
+                self.ledger.route(final._replace(error=why))
         self.ledger.end(entry, FinishReason.ABORT, why)  # completions the engine did not end
 
     def _fail_all(self, reason: str) -> None:

@@ -8,7 +8,7 @@ and the counts of prefill and decode work a step-cost model reads (StepResult).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -68,47 +68,61 @@ def build_batch(
     rows that score prompt tokens. Logits rows stay in flat token order (the stub needs
     that), so a request's prompt rows come before its sampling row."""
     bs = block_size
-    b = ForwardBatch([], [], [], [], [], [], [], [], [])
+    # The columns as locals (this runs once per row per step, millions of times in a
+    # simulation); the ForwardBatch is made from them at the end.
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_lens: list[int] = []
+    context_lens: list[int] = []
+    block_tables: list[list[int]] = []
+    logits_indices: list[int] = []
+    histories: list[Sequence[int]] = []
+    seeds: list[int] = []
     samplers: list[Request] = []
     sample_rows: list[int] = []
     prompt = PromptRows([], [], [])
     for s in schedule.scheduled:
         req = s.request
-        start, end = req.num_computed, req.num_computed + s.num_tokens
+        n = s.num_tokens
+        tokens = req.token_ids
+        start = req.num_computed
+        end = start + n
         if req.needs_prompt_logprobs:
             # The logits at position p score prompt token p + 1. Positions already
             # scored before a preemption are not scored again.
             first = max(start, len(req.prompt_logprobs) - 1)
             for p in range(first, min(end, req.num_prompt - 1)):
-                prompt.rows.append(len(b.logits_indices))
-                prompt.targets.append(req.token_ids[p + 1])
+                prompt.rows.append(len(logits_indices))
+                prompt.targets.append(tokens[p + 1])
                 prompt.requests.append(req)
-                b.logits_indices.append(len(b.input_ids) + p - start)
+                logits_indices.append(len(input_ids) + p - start)
         blocks = req.blocks
-        if s.num_tokens == 1:  # a decode row: the common case, without the generators
-            b.input_ids.append(req.token_ids[start])
-            b.positions.append(start)
-            b.slot_mapping.append(blocks[start // bs] * bs + start % bs)
+        if n == 1:  # a decode row: the common case, without the loops
+            input_ids.append(tokens[start])
+            positions.append(start)
+            slots.append(blocks[start // bs] * bs + start % bs)
         else:
-            b.input_ids.extend(req.token_ids[start:end])
-            b.positions.extend(range(start, end))
+            input_ids.extend(tokens[start:end])
+            positions.extend(range(start, end))
             # Slots a block at a time: a run of consecutive slots per block.
             for j in range(start // bs, (end - 1) // bs + 1):
                 base = blocks[j] * bs - j * bs
-                b.slot_mapping.extend(range(base + max(start, j * bs),
-                                            base + min(end, (j + 1) * bs)))
-        b.query_lens.append(s.num_tokens)
-        b.context_lens.append(end)
-        b.block_tables.append(blocks)
-        b.histories.append(req.token_ids)
+                slots.extend(range(base + max(start, j * bs), base + min(end, (j + 1) * bs)))
+        query_lens.append(n)
+        context_lens.append(end)
+        block_tables.append(blocks)
+        histories.append(tokens)
         # The stub's logits follow the caller's seed: all n completions of a request
         # see the same model, as they would with real weights.
         group_seed = group_params[req.group].seed
-        b.seeds.append(group_seed if group_seed is not None else 0)
-        if end == len(req.token_ids):  # s.samples: this step reaches its last token
-            sample_rows.append(len(b.logits_indices))
-            b.logits_indices.append(len(b.input_ids) - 1)
+        seeds.append(group_seed if group_seed is not None else 0)
+        if end == len(tokens):  # s.samples: this step reaches its last token
+            sample_rows.append(len(logits_indices))
+            logits_indices.append(len(input_ids) - 1)
             samplers.append(req)
+    b = ForwardBatch(input_ids, positions, slots, query_lens, context_lens, block_tables,
+                     logits_indices, histories, seeds)
     return StepBatch(b, samplers, sample_rows, prompt)
 
 
@@ -130,7 +144,8 @@ def advance(schedule: Schedule, kv: KVManager) -> Work:
         req = s.request
         start = req.num_computed
         end = start + s.num_tokens
-        if req.num_output > 0 and start == req.num_tokens - 1:
+        total = len(req.token_ids)
+        if start == total - 1 and total > len(req.prompt_ids):  # one new output token
             w.decode += s.num_tokens
             w.decode_context += end
         else:
