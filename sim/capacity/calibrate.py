@@ -8,8 +8,8 @@ the machine's speed at the time would mix the cost model's error with the host's
 
 So validate re-measures a few of the profile's own grid points, with the profile's own code
 (`measure_grid`), before each run and after the last: the machine's speed is their measured
-time over the cost model's price for the very steps measured (a geometric mean, so 1.0 means
-"as fast as when profiled"). It prints that, the host's steal time during the runs, and a
+time over the time the profile measured for the very same steps (a geometric mean, so 1.0
+means "as fast as when profiled"). It prints that, the host's steal time during the runs, and a
 second prediction from the cost model scaled by the speed: the first column tests the cost
 model as saved, the second the simulator and the cost model's shape on today's machine.
 """
@@ -34,9 +34,16 @@ CHECK_GRID = {"decode": (1, 8), "context": (32,), "prefill": (0, 96)}
 
 def machine_speed(model: Model, tokenizer: Tokenizer, cost: CostModel, *, reps: int = 3,
                   timer: Callable[[], float] = time.perf_counter) -> float:
-    """Measured step time over `cost`'s price on CHECK_GRID: > 1 when slower than profiled."""
+    """Measured step time on CHECK_GRID over the same step's time when `cost` was profiled:
+    > 1 when slower than profiled. The profile's own sample of the step is the reference
+    where the cost file keeps it (format 4 does), its fitted price otherwise: the fit prices
+    the four check steps 2-10% under the profile's samples of them (measured), and a speed
+    taken against the fit carried that residual into every prediction scaled by it."""
     points = measure_grid(model, tokenizer, CHECK_GRID, reps=reps, timer=timer)
-    ratios = [p.seconds / cost.predict(p.features) for p in points]
+    recorded = {(s["decode"], s["context"], s["prefill"]): float(s["seconds"])
+                for s in cost.fit.get("samples", ())}
+    ratios = [p.seconds / (recorded.get((p.decode, p.context, p.prefill))
+                           or cost.predict(p.features)) for p in points]
     if not all(r > 0 and math.isfinite(r) for r in ratios):
         raise ValueError("the cost model prices a calibration step at 0 s")
     return geometric_mean(ratios)

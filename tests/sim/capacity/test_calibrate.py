@@ -39,6 +39,20 @@ def test_speed_is_measured_over_priced_on_the_check_grid(tok: Tokenizer) -> None
     assert speed == pytest.approx(geometric_mean([4.0, 4.0, 0.5, 0.5]))
 
 
+def test_speed_is_taken_against_the_profiles_own_sample_of_a_step_where_kept(
+    tok: Tokenizer,
+) -> None:
+    # The fit prices every step at 250 ms, but the profile measured the 8-row steps at
+    # 400 ms: today's 400 ms is "as fast as then" for those, 1.6x slow for the 1-row ones
+    # (no sample kept: priced by the fit).
+    samples = [{"decode": 8, "context": c, "prefill": p, "seconds": 0.4}
+               for c in CHECK_GRID["context"] for p in CHECK_GRID["prefill"]]
+    cost = CostModel((0.25,) + (0,) * 9, fit={"samples": samples})
+    speed = machine_speed(StubModel(tok), tok, cost, reps=1,
+                          timer=ticking(0.4))  # type: ignore[arg-type]
+    assert speed == pytest.approx(geometric_mean([1.6, 1.6, 1.0, 1.0]))
+
+
 def test_scaled_prices_every_step_by_the_factor() -> None:
     cost = CostModel((0.02, 1e-4, 3e-3, 2e-3, 4e-6, 2e-8, 5e-3, 1e-4, 0.0, 0.0), name="m.json")
     x = (1.0, 96.0, 1.0, 8.0, 2000.0, 4656.0, 1.0, 104.0, 0.0, 0.0)
