@@ -87,7 +87,7 @@ class Scheduler:
         out: list[Scheduled] = []
         preempted: list[Request] = []
 
-        room = self.kv.block_size
+        bs = self.kv.block_size
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -95,7 +95,7 @@ class Scheduler:
             # Most decode steps fit the blocks the request holds (KVManager.allocate's own
             # first answer), asked here without the two calls: this runs once per running
             # request per step.
-            if req.num_computed + n > len(req.blocks) * room \
+            if req.num_computed + n > len(req.blocks) * bs \
                     and not self._make_room(req, n, preempted):
                 break  # `req` itself was preempted; everything after it already was
             out.append(Scheduled(req, n))
