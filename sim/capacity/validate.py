@@ -185,6 +185,14 @@ def run_validate(a: argparse.Namespace) -> int:
         given = f"--load {a.load}" if a.load else f"--trace {a.trace}" + "".join(
             f" --{k.replace('_', '-')} {getattr(a, k)}" for k, d in defaults.items()
             if getattr(a, k) != d) + (" --ignore-prefixes" if a.ignore_prefixes else "")
+        # Every flag that changes the measurement, so the line reruns it.
+        given += "".join(f" --{k} {v}" for k, v in (
+            ("threads", a.threads), ("quantization", a.quantization if a.quantization != "auto"
+                                     else None),
+            ("warmup", a.warmup or None),
+            ("replicas", a.replicas if a.replicas > 1 else None),
+            ("router", a.router if a.replicas > 1 else None)) if v is not None)
+        given += "".join(f" --engine {e}" for e in a.engine)
         atomic_write_text(a.report, f"sim validate {given} --cost {a.cost} --model {a.model} "
                           f"--runs {a.runs}\nengine: {config}\n"
                           f"machine: {json.dumps(machine_info())}\n{text}\n{runs}\n")

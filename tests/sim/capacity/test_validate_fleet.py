@@ -92,7 +92,10 @@ def test_validate_cli_measures_a_two_replica_fleet(tmp_path: Path, tok: Tokenize
     assert code == 0
     printed = capsys.readouterr().out
     report = (tmp_path / "calibration.txt").read_text()
-    assert report.startswith("sim validate --load n=6,rate=40,prompt=fixed:24,output=fixed:5 ")
+    # The command line as given, so the report says how to rerun it.
+    assert report.startswith("sim validate --load n=6,rate=40,prompt=fixed:24,output=fixed:5 "
+                             "--threads 1 --replicas 2 --router round_robin "
+                             "--engine num_blocks=128 --engine max_model_len=1024 --cost ")
     assert "output_token_throughput" in report
     assert "run 2: contention" in report
     assert "2 replicas, router round_robin" in printed
