@@ -144,8 +144,7 @@ def advance(schedule: Schedule, kv: KVManager) -> Work:
         req = s.request
         start = req.num_computed
         end = start + s.num_tokens
-        total = len(req.token_ids)
-        if start == total - 1 and total > len(req.prompt_ids):  # one new output token
+        if req.num_output > 0 and start == req.num_tokens - 1:
             w.decode += s.num_tokens
             w.decode_context += end
         else:

@@ -208,13 +208,18 @@ class KVManager:
         return self.pool.lookup_prefix(req.token_ids, (req.num_tokens - 1) // self.block_size,
                                        req.chain)
 
+    def holds(self, req: Request, num_new: int) -> bool:
+        """Whether `num_new` more tokens of `req` fit the blocks it holds: most decode steps
+        of most requests, which then need no allocation."""
+        return req.num_computed + num_new <= len(req.blocks) * self.block_size
+
     def allocate(self, req: Request, num_new: int, hits: Sequence[int] = ()) -> bool:
         """Make room for `num_new` more tokens of `req` (after taking the prefix `hits`).
         Returns False, changing nothing, when the pool cannot."""
         bs = self.block_size
+        if not hits and self.holds(req, num_new):
+            return True
         total = req.num_computed + len(hits) * bs + num_new
-        if not hits and total <= len(req.blocks) * bs:
-            return True  # fits the blocks it holds: most decode steps of most requests
         need = self.blocks_needed(total) - len(req.blocks) - len(hits)
         if not self.pool.can_allocate(max(need, 0), hits):
             return False

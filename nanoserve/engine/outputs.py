@@ -162,7 +162,7 @@ def token_update(req: Request, token: int, text: str) -> Update:
         num_output_tokens=req.num_output,
         num_cached_tokens=req.num_cached_prompt,
         logprobs=(req.logprobs[-1],),
-        prompt_logprobs=None if req.params.prompt_logprobs is None else prompt_logprobs_update(req),
+        prompt_logprobs=prompt_logprobs_update(req),
     )
 
 

@@ -87,16 +87,13 @@ class Scheduler:
         out: list[Scheduled] = []
         preempted: list[Request] = []
 
-        bs = self.kv.block_size
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(len(req.token_ids) - req.num_computed, budget)
-            # Most decode steps fit the blocks the request holds (KVManager.allocate's own
-            # first answer), asked here without the two calls: this runs once per running
-            # request per step.
-            if req.num_computed + n > len(req.blocks) * bs \
-                    and not self._make_room(req, n, preempted):
+            n = min(req.num_tokens - req.num_computed, budget)
+            # Asked first, without _make_room's allocation: this runs once per running
+            # request per step, and most of them fit the blocks they hold.
+            if not self.kv.holds(req, n) and not self._make_room(req, n, preempted):
                 break  # `req` itself was preempted; everything after it already was
             out.append(Scheduled(req, n))
             budget -= n

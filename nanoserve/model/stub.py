@@ -113,14 +113,9 @@ class Scripts:
              rows: Sequence[tuple[int, int]]) -> list[int | None] | None:
         """`next_token` for each (row, upto), or None when no row's prompt scripts anything
         (the common case, found with one look-up a row)."""
-        seen = self._seen
-        for row, _ in rows:
-            hist = histories[row]
-            got = seen.get(id(hist))
-            script = got[1] if got is not None and got[0] is hist else self._script(hist)
-            if script is not None:
-                return [self.next_token(histories[r], upto) for r, upto in rows]
-        return None
+        if all(self._script(histories[row]) is None for row, _ in rows):
+            return None
+        return [self.next_token(histories[r], upto) for r, upto in rows]
 
 
 class StubModel:

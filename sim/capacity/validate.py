@@ -134,6 +134,10 @@ def agreement(predicted: SimResult, measured: SimResult) -> float:
                for p, m in zip(predicted.records, measured.records, strict=True))
     return same / len(predicted.records) if predicted.records else 1.0
 
+# The flags a --report's command line gives when they differ from these (their defaults).
+_REPORT_DEFAULTS = {"trace_format": None, "start": 0.0, "duration": None, "speedup": 1.0,
+                    "trace_seed": 0, "threads": None, "quantization": "auto", "warmup": 0.0}
+
 
 def run_validate(a: argparse.Namespace) -> int:
     if a.replicas < 1:
@@ -180,18 +184,13 @@ def run_validate(a: argparse.Namespace) -> int:
         runs = "\n".join(
             f"run {k + 1}: contention {c:.2f}x, machine speed x{measured.speeds[k]:.3f} before, "
             f"x{measured.speeds[k + 1]:.3f} after" for k, c in enumerate(measured.contention))
-        defaults = {"trace_format": None, "start": 0.0, "duration": None, "speedup": 1.0,
-                    "trace_seed": 0}
-        given = f"--load {a.load}" if a.load else f"--trace {a.trace}" + "".join(
-            f" --{k.replace('_', '-')} {getattr(a, k)}" for k, d in defaults.items()
-            if getattr(a, k) != d) + (" --ignore-prefixes" if a.ignore_prefixes else "")
-        # Every flag that changes the measurement, so the line reruns it.
-        given += "".join(f" --{k} {v}" for k, v in (
-            ("threads", a.threads), ("quantization", a.quantization if a.quantization != "auto"
-                                     else None),
-            ("warmup", a.warmup or None),
-            ("replicas", a.replicas if a.replicas > 1 else None),
-            ("router", a.router if a.replicas > 1 else None)) if v is not None)
+        # Every flag that changes the measurement and is not at its default, so the line
+        # reruns it (the trace's flags are at their defaults under --load).
+        given = f"--load {a.load}" if a.load else f"--trace {a.trace}"
+        given += "".join(f" --{k.replace('_', '-')} {getattr(a, k)}"
+                         for k, d in _REPORT_DEFAULTS.items() if getattr(a, k) != d)
+        given += " --ignore-prefixes" if a.ignore_prefixes else ""
+        given += f" --replicas {a.replicas} --router {a.router}" if a.replicas > 1 else ""
         given += "".join(f" --engine {e}" for e in a.engine)
         atomic_write_text(a.report, f"sim validate {given} --cost {a.cost} --model {a.model} "
                           f"--runs {a.runs}\nengine: {config}\n"
