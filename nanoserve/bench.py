@@ -143,6 +143,57 @@ def weight_numel(model: Model) -> int:
     return c.num_layers * (attn + mlp) + c.vocab_size * c.hidden_size
 
 
+class _TimedModel:
+    """A model whose forward passes (and greedy picks) are timed: what is left of a step is
+    the engine's Python around them (scheduling, batch building, sampling, detokenizing,
+    the stop rules)."""
+
+    def __init__(self, model: Model) -> None:
+        self._model = model
+        self.seconds = 0.0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._model, name)
+
+    def _timed(self, fn: Callable[..., object], *args: object) -> object:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def forward(self, batch: object) -> object:
+        return self._timed(self._model.forward, batch)
+
+    def pick_greedy(self, batch: object) -> object:
+        return self._timed(self._model.pick_greedy, batch)  # type: ignore[attr-defined]
+
+
+def step_overhead(model: Model, tok: Tokenizer, prompt: list[int], n: int) -> Figures:
+    """Batch-1 decode steps split into the model's time and the engine's time around it,
+    ms per step (best of three runs of n - 1 decode steps, by step time)."""
+    timed = _TimedModel(model)
+    engine = Engine(timed, tok, EngineConfig())  # type: ignore[arg-type]  # a proxy
+    best: Figures = {}
+    best_step = float("inf")
+    for _ in range(3):
+        engine.add_request(prompt, SamplingParams(temperature=0.0, ignore_eos=True,
+                                                  max_tokens=n))
+        engine.step()  # the prefill
+        timed.seconds = 0.0
+        t0 = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        step = (time.perf_counter() - t0) / (n - 1)
+        if step < best_step:
+            best_step = step
+            model_ms = timed.seconds / (n - 1) * 1e3
+            best = {"step_ms": round(step * 1e3, 3), "model_ms": round(model_ms, 3),
+                    "engine_ms": round(step * 1e3 - model_ms, 3),
+                    "engine_share": round(1 - model_ms / (step * 1e3), 3)}
+    return best
+
+
 def single_stream(model: Model, tok: Tokenizer, prompt: list[int], n: int) -> float:
     """Decode tokens/s of one sequence alone (after its prefill step), in steady state: one
     short decode first, untimed, as llama-bench warms up (right after the yardsticks' 512 MB
@@ -236,6 +287,12 @@ def run(a: argparse.Namespace) -> Figures:
     result = _throughput_line(a, llm, model, reqs)
     if a.single_tokens > 1 and a.model != "stub":
         result |= _single_line(model, tok, reqs[0][0][:_SINGLE_PROMPT], a.single_tokens)
+        if a.profile:
+            o = step_overhead(model, tok, reqs[0][0][:_SINGLE_PROMPT], a.single_tokens)
+            print(f"batch-1 step: {o['step_ms']:.2f} ms = model {o['model_ms']:.2f} ms + engine "
+                  f"{o['engine_ms']:.2f} ms ({o['engine_share']:.1%}: scheduling, batch, "
+                  f"sampling, detokenizing, stop rules)")
+            result |= {f"batch1_{k}": v for k, v in o.items()}
     if a.batched_seqs > 0 and a.model != "stub":
         result |= _batched_line(model, tok, a.batched_seqs)
     print(json.dumps(result))

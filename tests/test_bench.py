@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -30,3 +31,13 @@ def test_workload_matches_hf_peer_draws() -> None:
     [(prompt, out_len)] = bench.workload(0, 1, 49152, 16, 256, 16, 128)
     assert (len(prompt), out_len) == (232, 103)
     assert prompt[:3] == [25347, 27662, 2753]
+
+
+def test_the_last_level_cache_is_read_from_sysfs(monkeypatch: pytest.MonkeyPatch,
+                                                 tmp_path: Path) -> None:
+    for index, size in (("index0", "32K"), ("index2", "1024K"), ("index3", "32768K")):
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "size").write_text(size + "\n")
+    real = bench.Path
+    monkeypatch.setattr(bench, "Path", lambda p: tmp_path if "cache" in str(p) else real(p))
+    assert bench.last_level_cache_bytes() == 32 << 20

@@ -104,3 +104,13 @@ def test_the_decode_stack_is_the_layer_loop_bit_for_bit(smollm2_quantized: Any) 
     assert stacked == looped
     assert all(len(v) == 12 for v in stacked.values())
     assert calls == 11  # every step after the prefill
+
+
+@pytest.mark.parametrize("isa", ISA_PARAMS)
+def test_stream_read_reads_every_byte_once(isa: str) -> None:
+    """The read-bandwidth yardstick (`nanoserve bench`) reads each byte of its buffer once,
+    split among the kernels' threads: float32 ones viewed as bytes sum to their count (a
+    thread that skipped its run, or read another's twice, would miss it)."""
+    k = kernels_for(isa)
+    ones = torch.ones(3 * 4096 * 16 + 5 * 16)  # whole vectors, not a whole grain of them
+    assert k.ops.stream_read(ones.view(torch.uint8)) == ones.numel()
