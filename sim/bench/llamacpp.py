@@ -18,6 +18,15 @@ on 2 threads:
 - memory: `nanoserve serve`'s resident set (its /metrics process collector) after one
   request, with the GGUF's blocks and with float32 weights.
 
+`--model` takes an embedded model's name or any GGUF file nanoserve reads, e.g. the
+random-weight Llamas of 0.5B to 3B parameters that scripts/make_synthetic_gguf.py writes (a
+speed-only yardstick: their tokens are noise); both run the same file.
+
+Each llama.cpp build is probed before use (a tiny `llama-bench` on the file): a native build
+can die on a host whose CPU flags list instructions the VM does not enable (SIGILL: AMX on
+one Intel host). Then the run says so, in its output and its report, and measures llama.cpp's
+AVX2 build instead, nanoserve still at its best.
+
 `--isa avx2` makes the comparison on AVX2 on any host: llama.cpp built with AVX2, FMA and
 F16C and AVX-512 off (`build_llamacpp.sh avx2`, cached apart), and nanoserve run with
 NANOSERVE_ISA=avx2 and PyTorch's own libraries held to AVX2 as well (MKL's sgemm, oneDNN's
@@ -32,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -52,6 +62,73 @@ def build(isa: str) -> Path:
     out = subprocess.run(["bash", "scripts/build_llamacpp.sh", isa], check=True,
                          stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHON": PY})
     return Path(out.stdout.strip().splitlines()[-1])
+
+
+PROBE_TIMEOUT_S = 600
+
+
+def probe(bins: Path, gguf: Path) -> str | None:
+    """None where the build in `bins` runs `gguf` on this host, else how it fails: a tiny
+    `llama-bench` (8 prompt tokens, 1 generated) loads the file and runs the matrix kernels
+    the measurements will, so a build with instructions this CPU lacks dies here, not midway."""
+    cmd = [str(bins / "llama-bench"), "-m", str(gguf), "-t", "2", "-p", "8", "-n", "1",
+           "-r", "1"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"ran past {PROBE_TIMEOUT_S} s on an 8-token probe"
+    except OSError as exc:
+        return f"could not start ({exc})"
+    if done.returncode < 0:
+        try:
+            name = signal.Signals(-done.returncode).name
+        except ValueError:
+            name = f"signal {-done.returncode}"
+        return f"died with {name}" + (" (an instruction this CPU does not run)"
+                                      if name == "SIGILL" else "")
+    if done.returncode > 0:
+        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        return f"exited {done.returncode} ({last})"
+    return None
+
+
+def working_build(isa: str, gguf: Path) -> tuple[Path, str, str | None]:
+    """The llama.cpp build to measure: (its folder, its ISA, why it is not `isa`'s or None).
+    `--isa native` falls back to the AVX2 build where the native one fails to build or dies
+    on this host; `--isa avx2` has nothing to fall back to."""
+    candidates = (isa, "avx2") if isa == "native" else (isa,)
+    failures: list[str] = []
+    for b in candidates:
+        try:
+            bins = build(b)
+        except subprocess.CalledProcessError as exc:
+            why = f"the {b} build failed (build_llamacpp.sh exited {exc.returncode})"
+        else:
+            failure = probe(bins, gguf)
+            if failure is None:
+                return bins, b, "; ".join(failures) or None
+            why = f"the {b} build ({bins}) {failure}"
+        failures.append(why)
+        more = "; using the avx2 build" if b != candidates[-1] else ""
+        print(f"llama.cpp: {why}{more}", flush=True)
+    raise SystemExit(f"llama.cpp: no build runs on this host: {'; '.join(failures)}")
+
+
+def model_arg(value: str) -> str:
+    """--model: an embedded model's name, or a GGUF file (as an absolute path, so that every
+    process, from any folder, reads the same file)."""
+    if value in EMBEDDED:
+        return value
+    path = Path(value).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return str(path.resolve())
+    raise argparse.ArgumentTypeError(
+        f"{value!r} is neither an embedded model ({', '.join(EMBEDDED)}) nor a .gguf file")
+
+
+def model_label(model: str) -> str:
+    """The model's name in the report and the result's file name: a file's stem."""
+    return model if model in EMBEDDED else Path(model).stem
 
 
 # What holds nanoserve and the libraries under it to AVX2 (each library's own switch).
@@ -119,12 +196,13 @@ def online(url: str, label: str, concurrency: int, n: int, out: Path) -> dict[st
             "failed": s["failed"]}
 
 
-def guidellm(url: str, model: str, label: str, streams: int, n: int, out: Path
-             ) -> dict[str, Any]:
+def guidellm(url: str, model: str, label: str, streams: int, n: int, out: Path,
+             tokenizer_model: str = "smollm2") -> dict[str, Any]:
     from nanoserve.model.loader import resolve_model
 
     report = out / f"guidellm_{label}_{streams}.json"
-    cmd = guidellm_command(url, model, resolve_model("smollm2"), streams=streams, requests=n,
+    cmd = guidellm_command(url, model, resolve_model(tokenizer_model), streams=streams,
+                           requests=n,
                            prompt_tokens=128, output_tokens=64, out_json=report)
     subprocess.run(cmd, check=True, env=offline_env(), stdout=subprocess.DEVNULL,
                    stderr=subprocess.STDOUT)
@@ -154,17 +232,22 @@ def main(argv: list[str] | None = None) -> int:
                     help="requests of the offline `nanoserve bench --n` [32]")
     ap.add_argument("--int8-activations", action="store_true",
                     help="also nanoserve with --int8-activations, offline and online")
-    ap.add_argument("--model", choices=EMBEDDED, default=EMBEDDED[0],
-                    help="the embedded model both run, from its one GGUF file [smollm2]")
+    ap.add_argument("--model", type=model_arg, default=EMBEDDED[0],
+                    help=f"what both run: an embedded model ({', '.join(EMBEDDED)}), from its "
+                         "one GGUF file, or a GGUF file's path [smollm2]")
     a = ap.parse_args(argv)
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    gguf = embedded_path(a.model)
-    bins = build(a.isa)
+    gguf = embedded_path(a.model) if a.model in EMBEDDED else Path(a.model)
+    label = model_label(a.model)
+    bins, llamacpp_isa, fallback = working_build(a.isa, gguf)
     print(f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}, load average {os.getloadavg()}; "
           f"{gguf.name}; llama.cpp from {bins}; --isa {a.isa}", flush=True)
-    r: dict[str, Any] = {"model": a.model, "isa": a.isa, "llama_bench": llama_bench(bins, gguf),
-                         "nanoserve_bench": nanoserve_bench(a.offline_n, a.isa, model=a.model)}
+    r: dict[str, Any] = {"model": label, "isa": a.isa, "gguf": str(gguf)}
+    if fallback:
+        r["llamacpp_isa"], r["llamacpp_fallback"] = llamacpp_isa, fallback
+    r |= {"llama_bench": llama_bench(bins, gguf),
+          "nanoserve_bench": nanoserve_bench(a.offline_n, a.isa, model=a.model)}
     if a.int8_activations:
         r["nanoserve_bench_int8"] = nanoserve_bench(a.offline_n, a.isa, int8=True,
                                                     model=a.model)
@@ -184,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
                         online(url, kind, c, n, out))
                     if use_guidellm:
                         r.setdefault("guidellm", {}).setdefault(f"{kind} c{c}", []).append(
-                            guidellm(url, model, kind, c, n, out))
+                            guidellm(url, model, kind, c, n, out, tokenizer_model=a.model))
             finally:
                 stop(proc)
             print(f"round {k + 1}: {kind} done", flush=True)
@@ -195,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
             r["rss_mib"][q] = rss_mib(url)
         finally:
             stop(proc)
-    atomic_write_text(out / f"llamacpp_side_by_side_{a.model}_{a.isa}.json",
+    atomic_write_text(out / f"llamacpp_side_by_side_{label}_{a.isa}.json",
                       json.dumps(r, indent=1) + "\n")
     print(report(r))
     return 0
@@ -206,6 +289,8 @@ def report(r: dict[str, Any]) -> str:
     lines = [
         f"{r.get('model', 'smollm2')}, --isa {r.get('isa', 'native')}: nanoserve's "
         f"{nb.get('isa', '?')} kernels",
+        *([f"llama.cpp: its {r['llamacpp_isa']} build measured, not --isa {r.get('isa')}'s: "
+           f"{r['llamacpp_fallback']}"] if r.get("llamacpp_fallback") else []),
         f"batch-1 decode tok/s: nanoserve {nb['single_decode_tokens_per_s']}, llama-bench tg64 "
         f"{lb['tg64']} ({nb['single_decode_tokens_per_s'] / lb['tg64']:.2f}x); bound "
         f"{nb['bandwidth_bound_tokens_per_s']} ({nb['single_decode_tokens_per_s'] / nb['bandwidth_bound_tokens_per_s']:.0%} of it: "  # noqa: E501
