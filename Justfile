@@ -87,6 +87,15 @@ bench-guidellm *args: guidellm-setup
 # llama-server against nanoserve serve (sim bench at 1 and 16 streams; GuideLLM too once
 # `just guidellm-setup` has run). The first run builds llama.cpp from the llama-cpp-python
 # sdist on PyPI (about 7 minutes on 2 cores), cached after. `--isa avx2` compares both on
-# AVX2 (llama.cpp built for it, nanoserve forced to it) on any host. Flags: --rounds, ...
+# AVX2 (llama.cpp built for it, nanoserve forced to it) on any host; a native llama.cpp build
+# that dies here gives way to the AVX2 one, and the report says so. `--model FILE.gguf` runs
+# both on that file (e.g. `just synthetic-gguf`'s). Flags: --model, --rounds, ...
 bench-llamacpp *args: setup
     {{py}} -m sim.bench.llamacpp {{args}}
+
+# Llama GGUFs of random weights at about 0.5B, 1B and 3B parameters, for `just bench-llamacpp
+# --model FILE`: a speed-only yardstick (their tokens are noise). F16, then Q4_0 and Q4_K_M by
+# the llama.cpp build's llama-quantize, into the cache's synthetic/ folder; existing files are
+# kept. Flags: sizes (0.5b 1b 3b), --quantize Q4_K_M, --tied, --drop-f16, --force, ...
+synthetic-gguf *args: setup
+    {{py}} scripts/make_synthetic_gguf.py --quantize Q4_0,Q4_K_M {{args}}
