@@ -6,6 +6,7 @@
     quant.py      quantized weights (GGUF blocks) and their projections
     native.py     the build of csrc/, the CPU kernels (layers, attention, quantized, stack),
                   once per instruction set, and the run-time choice among them
+    cpu.py        what the CPU advertises and the OS has enabled (XCR0), oneDNN held to it
     cache.py      where converted models and built kernels are kept
     ops.py        a layer's elementwise parts: one native kernel each, or stock PyTorch ops
     linear.py     a float weight multiply in the device's fastest form (MKL's packed sgemm)

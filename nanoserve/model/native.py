@@ -8,11 +8,18 @@ under its own name so that several can be loaded in one process (the tests run e
     avx2     AVX2, FMA, F16C                   torch.ops.nanoserve_avx2
     generic  the compiler's baseline           torch.ops.nanoserve_generic
 
-`isa()` picks the best one the CPU has (from /proc/cpuinfo's flags), or the one
-NANOSERVE_ISA names (`avx2`, `avx512` or `generic`, for tests and benchmarks; one the CPU
-cannot run is refused, never loaded). The flags each build is compiled with are exactly the
-flags it is chosen by, never -march=native, so a cached library runs on every CPU that has
-them: one cache, shared between an AVX-512 and an AVX2 machine, serves both at full speed.
+Which sets this machine runs (`supported()`) is decided by what the CPU advertises
+(/proc/cpuinfo's flags) and what the OS has enabled (XCR0's register state, model/cpu.py):
+a hypervisor or kernel can list AVX-512 and leave its registers off, and the AVX-512 build
+would then die of an illegal instruction. The flags each build is compiled with are
+exactly the flags it is chosen by, never -march=native, so a cached library runs on every
+CPU that has them: one cache, shared between an AVX-512 and an AVX2 machine, serves both
+at full speed. Importing this module also holds oneDNN (PyTorch's int8 GEMM) to what the OS
+enabled where the CPU lists more (cpu.limit_onednn), before any model runs it.
+
+`isa()` picks the best set this machine runs, or the one NANOSERVE_ISA names (`avx2`,
+`avx512` or `generic`, for tests and benchmarks; one this machine cannot run is refused with
+what it lacks, never loaded).
 
 Each library is built with the system's C++ compiler against the installed torch's headers,
 cached beside the converted model (`$NANOSERVE_CACHE`, else ~/.cache/nanoserve) under a
@@ -45,6 +52,7 @@ from typing import Any
 
 import torch
 
+from nanoserve.model import cpu
 from nanoserve.model.cache import cache_root
 
 log = logging.getLogger(__name__)
@@ -71,6 +79,10 @@ _NEEDS = {
     "generic": frozenset(),
 }
 
+# oneDNN reads its ISA cap once, at its first primitive; every path to a model imports this
+# module before that (llama.py, weights.py, quant.py), so the cap is set here.
+cpu.limit_onednn(cpu.host())
+
 
 @dataclass(frozen=True, slots=True)
 class Kernels:
@@ -82,47 +94,66 @@ class Kernels:
 
 def cpu_flags() -> frozenset[str]:
     """The CPU's instruction-set flags (Linux's /proc/cpuinfo), or none where it does not
-    tell."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            line = next((ln for ln in f if ln.startswith("flags")), "")
-    except OSError:
-        return frozenset()
-    return frozenset(line.partition(":")[2].split())
+    tell: what it advertises, whether or not the OS enabled it (see supported())."""
+    return cpu.cpu_flags()
 
 
 def _x86() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64")
 
 
-def supported(flags: frozenset[str] | None = None, *, x86: bool | None = None
+def _facts(flags: frozenset[str] | None, xcr0: int | None, amx_permitted: bool | None
+           ) -> cpu.CpuFacts:
+    """This host's facts where `flags` is None; else the ones given (a CPU described by a
+    test: its XCR0 unknown, so its flags trusted, unless `xcr0` says otherwise)."""
+    return cpu.host() if flags is None else cpu.CpuFacts(flags, xcr0, amx_permitted)
+
+
+def supported(flags: frozenset[str] | None = None, *, x86: bool | None = None,
+              xcr0: int | None = None, amx_permitted: bool | None = None
               ) -> tuple[str, ...]:
-    """The instruction sets a CPU with `flags` runs, best first (generic always)."""
+    """The instruction sets a CPU with `flags` runs under an OS that enabled the register
+    state `xcr0`, best first (generic always). Default: this machine's."""
     if not (_x86() if x86 is None else x86):
         return ("generic",)
-    have = cpu_flags() if flags is None else flags
+    have = _facts(flags, xcr0, amx_permitted).usable
     return tuple(isa for isa in ISAS if _NEEDS[isa] <= have)
 
 
 def pick_isa(requested: str | None, flags: frozenset[str] | None = None, *,
-             x86: bool | None = None) -> str:
-    """`requested` (NANOSERVE_ISA's value) if the CPU runs it, else the best it runs.
-    Raises ValueError naming NANOSERVE_ISA for a name it does not know or a set the CPU
-    lacks (its code would die of an illegal instruction)."""
-    can = supported(flags, x86=x86)
+             x86: bool | None = None, xcr0: int | None = None,
+             amx_permitted: bool | None = None) -> str:
+    """`requested` (NANOSERVE_ISA's value) if the machine runs it, else the widest it runs.
+    Raises ValueError naming NANOSERVE_ISA for a name it does not know, or a set the CPU
+    lacks or the OS has not enabled (its code would die of an illegal instruction)."""
+    can = supported(flags, x86=x86, xcr0=xcr0, amx_permitted=amx_permitted)
     if not requested:
         return can[0]
     if requested not in ISAS:
         raise ValueError(f"NANOSERVE_ISA must be one of {', '.join(ISAS)}, got {requested!r}")
     if requested not in can:
-        missing = sorted(_NEEDS[requested] - (cpu_flags() if flags is None else flags))
-        raise ValueError(f"NANOSERVE_ISA={requested}: this CPU lacks "
-                         f"{', '.join(missing) or 'x86-64'}; it runs {', '.join(can)}")
+        why = _why_not(requested, _facts(flags, xcr0, amx_permitted))
+        raise ValueError(f"NANOSERVE_ISA={requested}: {why}; it runs {', '.join(can)}")
     return requested
 
 
+def _why_not(isa: str, facts: cpu.CpuFacts) -> str:
+    """Why a machine with `facts` cannot run `isa`: flags its CPU lacks, or register state
+    its OS has not enabled."""
+    lacks = sorted(_NEEDS[isa] - facts.flags)
+    if lacks:
+        return f"this CPU lacks {', '.join(lacks)}"
+    off = sorted(_NEEDS[isa] - facts.usable)
+    if off and facts.xcr0 is not None:
+        state = ", ".join(cpu.missing_state(off, facts.xcr0))
+        return (f"this CPU has {', '.join(off)} but the OS has not enabled their registers "
+                f"(XCR0 {facts.xcr0:#x} lacks {state})")
+    return "this CPU lacks x86-64"
+
+
 def isa() -> str:
-    """The instruction set the kernels run with here (NANOSERVE_ISA, else the CPU's best)."""
+    """The instruction set the kernels run with here (NANOSERVE_ISA, else the best this
+    machine runs)."""
     return pick_isa(os.environ.get("NANOSERVE_ISA"))
 
 
@@ -140,16 +171,27 @@ def _command(sources: tuple[Path, ...], output: Path, compiler: str, isa: str) -
     return [*cmd, "-lc10", "-ltorch_cpu", "-o", str(output)]
 
 
-def _build(root: Path, isa: str) -> Path:
+def _compiler() -> str:
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++ or c++) on PATH")
+    return compiler
+
+
+def _library(root: Path, isa: str, compiler: str) -> Path:
+    """Where `isa`'s library is cached: named by a digest of the torch version, the sources
+    and the compiler command, so that a change to any of them is another library."""
     digest = hashlib.sha256(torch.__version__.encode())
     for s in (*_SOURCES, *_HEADERS):
         digest.update(s.read_bytes())
     digest.update(" ".join(_command(_SOURCES, Path("out"), compiler, isa)).encode())
-    folder = root / "native"
-    lib = folder / f"nanoserve_ops-{isa}-{digest.hexdigest()[:16]}.so"
+    return root / "native" / f"nanoserve_ops-{isa}-{digest.hexdigest()[:16]}.so"
+
+
+def _build(root: Path, isa: str) -> Path:
+    compiler = _compiler()
+    lib = _library(root, isa, compiler)
+    folder = lib.parent
     if lib.exists():
         with contextlib.suppress(OSError):  # a read-only cache still loads
             os.utime(lib)  # in use: kept by _prune
@@ -199,7 +241,8 @@ def _load(isa: str) -> Kernels | None:
         log.warning("native kernels: the %s build reports %s; using stock PyTorch ops",
                     isa, built)
         return None
-    log.info("nanoserve's CPU kernels: %s (this CPU runs %s)", isa, ", ".join(supported()))
+    log.info("nanoserve's CPU kernels loaded: %s (this machine runs %s)", isa,
+             ", ".join(supported()))
     return Kernels(isa, ops)
 
 
