@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from nanoserve import bench, flags
@@ -38,11 +39,12 @@ def _generate(a: argparse.Namespace) -> int:
 
 def _check_isa() -> None:
     """NANOSERVE_ISA, if set, names an instruction set this CPU runs: judged before any
-    model loads or port binds, as every other setting is."""
+    model loads or port binds, as every other setting is. Only judged: `auto`'s choice is
+    measured when a model first needs the kernels (native.isa()), never for the stub."""
     from nanoserve.model import native
 
     try:
-        native.isa()
+        native.pick_isa(os.environ.get("NANOSERVE_ISA"))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 

@@ -17,9 +17,17 @@ CPU that has them: one cache, shared between an AVX-512 and an AVX2 machine, ser
 at full speed. Importing this module also holds oneDNN (PyTorch's int8 GEMM) to what the OS
 enabled where the CPU lists more (cpu.limit_onednn), before any model runs it.
 
-`isa()` picks the best set this machine runs, or the one NANOSERVE_ISA names (`avx2`,
-`avx512` or `generic`, for tests and benchmarks; one this machine cannot run is refused with
-what it lacks, never loaded).
+`isa()` is NANOSERVE_ISA's set where it names one (`avx2`, `avx512` or `generic`, for tests
+and benchmarks; one this machine cannot run is refused with what it lacks, never loaded).
+Otherwise (`auto`) the wider set is not taken on trust: on one Intel Xeon the avx512 build
+decoded more slowly at batch 1 than the avx2 one. Where the machine runs both, each
+multiplies one row by synthetic Q4_0 and Q4_K weights larger than the last-level cache
+(batch-1 decode's work, streamed from memory), best of a few passes, once per machine: the
+faster set is kept, the wider one unless the narrower wins by more than 3%, and the figures
+are logged. The choice is cached as JSON beside the libraries (`isa-choice.json`), keyed by
+the CPU's model name, a digest of its flags and XCR0, and the libraries' digests (a kernel
+change measures again); a corrupt file is measured over, never trusted, and processes that
+start together (a tensor-parallel group's ranks) measure once, under a file lock.
 
 Each library is built with the system's C++ compiler against the installed torch's headers,
 cached beside the converted model (`$NANOSERVE_CACHE`, else ~/.cache/nanoserve) under a
@@ -29,16 +37,19 @@ build removes those no process has loaded for 30 days. Symbols are hidden, so th
 builds' inline functions never stand in for each other.
 
 No ninja and no pybind11 (what torch.utils.cpp_extension's JIT needs): one compiler
-command, about 20 s on 2 cores, once per instruction set. Without a compiler, or with
-NANOSERVE_NATIVE=0, the model runs its stock-PyTorch path, which gives the same tokens more
-slowly; the reason is logged once.
+command, about 20 s on 2 cores, once per instruction set (twice on a machine that measures
+its choice, which builds both). Without a compiler, or with NANOSERVE_NATIVE=0, the model
+runs its stock-PyTorch path, which gives the same tokens more slowly; the reason is logged
+once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
+import json
 import logging
 import os
 import platform
@@ -46,6 +57,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,6 +90,18 @@ _NEEDS = {
     "avx2": frozenset({"avx2", "fma", "f16c"}),
     "generic": frozenset(),
 }
+
+# The measured choice under `auto`: the file beside the libraries, how much faster a
+# narrower set must be to be taken over a wider one, and the measurement's size.
+CHOICE_FILE = "isa-choice.json"
+TIE = 0.03
+# The measured formats (model/quant.py's FORMATS, which imports this module): weights and
+# bytes per block, and the float16 scales at each block's head (Q4_0's d; Q4_K's d, dmin).
+_MEASURE_FORMATS = {"q4_0": (32, 18, 1), "q4_k": (256, 144, 2)}  # 4.5 bits a weight each
+_MEASURE_COLS = 4096  # a 1-3B model's hidden size: whole blocks of either format
+_MEASURE_MIB = 48  # per format at least; more where the last-level cache is larger
+_MEASURE_MAX_MIB = 192  # per format at most, whatever the cache: a bound on time and memory
+_MEASURE_REPEATS = 5
 
 # oneDNN reads its ISA cap once, at its first primitive; every path to a model imports this
 # module before that (llama.py, weights.py, quant.py), so the cap is set here.
@@ -123,9 +147,10 @@ def supported(flags: frozenset[str] | None = None, *, x86: bool | None = None,
 def pick_isa(requested: str | None, flags: frozenset[str] | None = None, *,
              x86: bool | None = None, xcr0: int | None = None,
              amx_permitted: bool | None = None) -> str:
-    """`requested` (NANOSERVE_ISA's value) if the machine runs it, else the widest it runs.
-    Raises ValueError naming NANOSERVE_ISA for a name it does not know, or a set the CPU
-    lacks or the OS has not enabled (its code would die of an illegal instruction)."""
+    """`requested` (NANOSERVE_ISA's value) if the machine runs it, else the widest it runs
+    (`isa()` measures among those instead). Raises ValueError naming NANOSERVE_ISA for a
+    name it does not know, or a set the CPU lacks or the OS has not enabled (its code would
+    die of an illegal instruction)."""
     can = supported(flags, x86=x86, xcr0=xcr0, amx_permitted=amx_permitted)
     if not requested:
         return can[0]
@@ -152,9 +177,247 @@ def _why_not(isa: str, facts: cpu.CpuFacts) -> str:
 
 
 def isa() -> str:
-    """The instruction set the kernels run with here (NANOSERVE_ISA, else the best this
-    machine runs)."""
-    return pick_isa(os.environ.get("NANOSERVE_ISA"))
+    """The instruction set the kernels run with here: NANOSERVE_ISA's where it is set, else
+    the faster on this machine of those it runs (measured once, then cached)."""
+    requested = os.environ.get("NANOSERVE_ISA")
+    if requested or os.environ.get("NANOSERVE_NATIVE", "1") == "0":
+        return pick_isa(requested)
+    return _auto_isa(cache_root())
+
+
+@functools.cache
+def _auto_isa(root: Path) -> str:
+    """`auto`'s choice for the kernels cached under `root`, once per process."""
+    can = supported()
+    candidates = tuple(i for i in can if i != "generic")  # generic never wins
+    if len(candidates) < 2:
+        return can[0]
+    try:
+        key = _auto_key(root, candidates)
+    except RuntimeError:  # no compiler: no kernels to measure (kernels() says why)
+        return can[0]
+    return choose_isa(candidates, key, root / "native" / CHOICE_FILE, _measure_decode)
+
+
+def _auto_key(root: Path, candidates: Sequence[str]) -> str:
+    """This machine's key for a choice among `candidates`' builds under `root` (none need
+    exist yet: the names are digests of what they would be built from)."""
+    compiler = _compiler()
+    return choice_key(cpu.host(), [_library(root, i, compiler).name for i in candidates])
+
+
+def choice_key(facts: cpu.CpuFacts, libraries: Sequence[str]) -> str:
+    """What a measured choice holds for: this CPU model, its flags and XCR0 (facts.digest),
+    and these builds of the kernels (their file names carry their digests)."""
+    kernels = hashlib.sha256(" ".join(sorted(libraries)).encode()).hexdigest()[:16]
+    return f"{facts.model}|flags={facts.digest()}|kernels={kernels}"
+
+
+def choose_isa(candidates: Sequence[str], key: str, path: Path,
+               measure: Callable[[Sequence[str]], Mapping[str, float]]) -> str:
+    """The faster of `candidates` (widest first) here: as cached in `path` under `key`, else
+    timed by `measure` (seconds by instruction set; a set it could not load left out) and
+    cached. A narrower set is taken only where it beats the wider by more than TIE."""
+    if len(candidates) < 2:
+        return candidates[0]
+    cached = _read_choice(path, key, candidates)
+    if cached is not None:
+        return _reuse(*cached, candidates)
+    with _locked(path.with_suffix(".lock")):
+        cached = _read_choice(path, key, candidates)  # measured while this process waited
+        if cached is not None:
+            return _reuse(*cached, candidates)
+        seconds = measure(candidates)
+    timed = [c for c in candidates if c in seconds]
+    if len(timed) < 2:  # some build failed: nothing to compare, and nothing worth keeping
+        return timed[0] if timed else candidates[0]
+    chosen = faster(seconds, timed)
+    ms = {c: round(seconds[c] * 1e3, 3) for c in timed}
+    _write_choice(path, key, chosen, ms)
+    log.info("nanoserve's CPU kernels: a one-row multiply by quantized weights took %s: "
+             "auto runs %s on this CPU (kept in %s)", _figures(ms), chosen, path)
+    return chosen
+
+
+def _reuse(chosen: str, ms: Mapping[str, float], candidates: Sequence[str]) -> str:
+    log.info("nanoserve's CPU kernels: auto runs %s on this CPU, as measured (%s)", chosen,
+             _figures({c: ms[c] for c in candidates if c in ms}))
+    return chosen
+
+
+@contextlib.contextmanager
+def _locked(lock: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the file `lock` (made if need be), so that processes
+    starting together (a tensor-parallel group's ranks) measure one at a time, and the
+    later ones read the first one's choice rather than each timing under the others' load
+    and perhaps choosing apart. Where the file cannot be made (a read-only cache), no lock."""
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def faster(seconds: Mapping[str, float], candidates: Sequence[str]) -> str:
+    """The fastest of `candidates` (widest first) by `seconds`, where a narrower set must
+    beat the one it displaces by more than TIE: within noise the wider set is kept."""
+    best = candidates[0]
+    for c in candidates[1:]:
+        if seconds[c] < seconds[best] * (1 - TIE):
+            best = c
+    return best
+
+
+def _figures(ms: Mapping[str, float]) -> str:
+    return ", ".join(f"{isa} {t:.2f} ms" for isa, t in ms.items())
+
+
+def _read_choice(path: Path, key: str, candidates: Sequence[str]
+                 ) -> tuple[str, dict[str, float]] | None:
+    """The choice and figures cached for `key`, or None: none kept, or a file that does not
+    hold one this process can run (corrupt, or written by another version)."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        log.warning("nanoserve's CPU kernels: %s unreadable (%s); measuring again", path, e)
+        return None
+    choices = data.get("choices") if isinstance(data, dict) else None
+    entry = choices.get(key) if isinstance(choices, dict) else None
+    if entry is None and isinstance(choices, dict):
+        return None  # measured on other machines, or for other builds, only
+    if not (isinstance(entry, dict) and _valid_entry(entry, candidates)):
+        log.warning("nanoserve's CPU kernels: %s does not hold a choice this machine runs; "
+                    "measuring again", path)
+        return None
+    return entry["isa"], entry["ms"]
+
+
+def _valid_entry(entry: dict[str, Any], candidates: Sequence[str]) -> bool:
+    """Whether `entry` is {"isa": one of `candidates`, "ms": {set: milliseconds}}."""
+    if entry.get("isa") not in candidates:
+        return False
+    ms = entry.get("ms")
+    return isinstance(ms, dict) and all(
+        isinstance(t, int | float) and not isinstance(t, bool) for t in ms.values())
+
+
+def _write_choice(path: Path, key: str, chosen: str, ms: Mapping[str, float]) -> None:
+    """Keep `chosen` under `key` in `path`, beside other machines' choices (a cache shared
+    between machines), less this CPU's choices for other builds of the kernels (stale)."""
+    try:
+        data = json.loads(path.read_text())
+        choices = data["choices"] if isinstance(data.get("choices"), dict) else {}
+    except (OSError, ValueError, AttributeError, KeyError):
+        choices = {}
+    cpu_part = key.rpartition("|kernels=")[0]
+    choices = {k: v for k, v in choices.items() if k.rpartition("|kernels=")[0] != cpu_part}
+    choices[key] = {"isa": chosen, "ms": dict(ms)}
+    text = json.dumps({"version": 1, "choices": choices}, indent=1, sort_keys=True)
+    try:
+        _replace_text(path, text)
+    except OSError as e:  # a read-only cache: the next process measures again
+        log.warning("nanoserve's CPU kernels: cannot keep the measured choice in %s: %s",
+                    path, e)
+
+
+def _replace_text(path: Path, text: str) -> None:
+    """Write `text` to `path` under a temporary name and rename it into place: a reader
+    never sees half a file, and two writers cost one of them its entry, never the file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache may be shared
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def _measure_decode(candidates: Sequence[str]) -> dict[str, float]:
+    """Seconds of one row through synthetic weights larger than the last-level cache, by
+    instruction set; a set whose kernels do not load is left out."""
+    ops = {c: k.ops for c in candidates if (k := _load(c)) is not None}
+    if len(ops) < 2:
+        return {c: 0.0 for c in ops}
+    row_bytes = _MEASURE_COLS // 32 * 18  # one weight row, in either format
+    rows = _measure_bytes() // row_bytes
+    return time_decode(ops, decode_weights(rows, _MEASURE_COLS), _MEASURE_COLS)
+
+
+def _measure_bytes() -> int:
+    """Bytes of weights per format: more than the last-level cache holds, so that they
+    stream from memory as a model's do at batch-1 decode."""
+    mib = 1 << 20
+    return min(max(_MEASURE_MIB * mib, _last_level_cache()), _MEASURE_MAX_MIB * mib)
+
+
+_SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}  # sysfs cache sizes: "32768K"
+
+
+def _last_level_cache() -> int:
+    """Bytes of CPU 0's last-level cache (Linux's sysfs), or 0 where it does not tell."""
+    best_level, size = 0, 0
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            level = int((index / "level").read_text())
+            text = (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        value = (int(text[:-1]) * _SIZE_UNITS[text[-1]] if text[-1:] in _SIZE_UNITS
+                 else int(text or 0))
+        if level > best_level:
+            best_level, size = level, value
+    return size
+
+
+def decode_weights(rows: int, cols: int, seed: int = 0) -> list[tuple[torch.Tensor, str]]:
+    """[rows, cols] weights in each measured format (blocks, format): random bytes, as the
+    kernels' speed does not depend on them, with every block's float16 scales (d, and Q4_K's
+    dmin) set to 0.01 so that no product is subnormal, which would slow it for no reason."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
+    out = []
+    for fmt, (per, size, halves) in _MEASURE_FORMATS.items():
+        n = rows * cols // per * size
+        # int64 draws, viewed as bytes: eight bytes a draw, several times faster than uint8's
+        raw = torch.empty((n + 7) // 8, dtype=torch.int64).random_(generator=g)
+        blocks = raw.view(torch.uint8)[:n].view(rows * cols // per, size)
+        blocks[:, : 2 * halves] = scale.repeat(halves)
+        out.append((blocks.view(rows, -1), fmt))
+    return out
+
+
+def time_decode(ops: Mapping[str, Any], weights: Sequence[tuple[torch.Tensor, str]],
+                cols: int, *, repeats: int = _MEASURE_REPEATS,
+                timer: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+    """Best-of-`repeats` seconds, by instruction set, of `ops.quant_linear` over one row x
+    [1, cols] and every weight [rows, cols] once. The sets take turns within each repeat, so
+    that a neighbour's load on a shared machine falls on all of them alike."""
+    x = torch.randn(1, cols, generator=torch.Generator().manual_seed(1))
+    outs = [torch.empty(1, blocks.shape[0]) for blocks, _ in weights]
+
+    def once(o: Any) -> None:
+        for (blocks, fmt), out in zip(weights, outs, strict=True):
+            o.quant_linear(x, blocks, fmt, out)
+
+    for o in ops.values():
+        once(o)  # first touch: page faults and thread start-up are no kernel's time
+    best = dict.fromkeys(ops, float("inf"))
+    for _ in range(repeats):
+        for isa_name, o in ops.items():
+            start = timer()
+            once(o)
+            best[isa_name] = min(best[isa_name], timer() - start)
+    return best
 
 
 def _command(sources: tuple[Path, ...], output: Path, compiler: str, isa: str) -> list[str]:

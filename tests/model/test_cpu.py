@@ -1,14 +1,20 @@
 """Which instruction sets run here (model/cpu.py, model/native.py): what the CPU advertises
-less what the OS has not enabled (XCR0), and oneDNN held to the same. Every fact is
-injected, so each case runs on any host; one test reads this host's own XCR0."""
+less what the OS has not enabled (XCR0), oneDNN held to the same, and `auto`'s choice
+between the sets this machine runs, measured once and cached. Every fact is injected, so
+each case runs on any host; one test reads this host's own XCR0."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
 import os
 import platform
 import re
 import subprocess
 import sys
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 
 import pytest
 
@@ -94,6 +100,139 @@ def test_a_users_onednn_cap_is_kept(name: str) -> None:
     env = {name: "AVX512_CORE_AMX"}
     assert cpu.limit_onednn(cpu.CpuFacts(SPR_FLAGS, SSE_AVX), env) is None
     assert env == {name: "AVX512_CORE_AMX"}
+
+
+# ---- auto: the faster set, measured once and cached -------------------------------------
+
+class FakeMeasure:
+    """Stands in for the timing: fixed seconds by set, and a count of the calls."""
+
+    def __init__(self, seconds: Mapping[str, float]) -> None:
+        self.seconds = dict(seconds)
+        self.calls = 0
+
+    def __call__(self, candidates: Sequence[str]) -> dict[str, float]:
+        self.calls += 1
+        return {c: self.seconds[c] for c in candidates if c in self.seconds}
+
+
+KEY = "Intel(R) Xeon(R) Platinum 8480+|flags=0123456789abcdef|kernels=fedcba9876543210"
+BOTH = ("avx512", "avx2")
+
+
+@pytest.mark.parametrize(("seconds", "chosen"), [
+    ({"avx512": 0.0100, "avx2": 0.0098}, "avx512"),  # 2% faster: a tie, the wider kept
+    ({"avx512": 0.0100, "avx2": 0.0096}, "avx2"),  # 4% faster
+    ({"avx512": 0.0090, "avx2": 0.0100}, "avx512"),
+])
+def test_the_narrower_set_wins_only_by_more_than_3_percent(seconds: dict[str, float],
+                                                           chosen: str) -> None:
+    assert native.faster(seconds, BOTH) == chosen
+
+
+def test_a_measured_choice_is_cached_and_reused_without_measuring(tmp_path: Path) -> None:
+    path = tmp_path / "native" / native.CHOICE_FILE
+    measure = FakeMeasure({"avx512": 0.0125, "avx2": 0.0100})
+    assert native.choose_isa(BOTH, KEY, path, measure) == "avx2"
+    assert json.loads(path.read_text()) == {"version": 1, "choices": {
+        KEY: {"isa": "avx2", "ms": {"avx512": 12.5, "avx2": 10.0}}}}
+    assert native.choose_isa(BOTH, KEY, path, measure) == "avx2"
+    assert measure.calls == 1
+
+
+def test_one_candidate_or_one_loaded_build_is_not_measured_or_kept(tmp_path: Path) -> None:
+    path = tmp_path / native.CHOICE_FILE
+    measure = FakeMeasure({"avx2": 0.01})
+    assert native.choose_isa(("avx2",), KEY, path, measure) == "avx2"
+    assert measure.calls == 0
+    assert native.choose_isa(BOTH, KEY, path, measure) == "avx2"  # avx512 failed to build
+    assert measure.calls == 1
+    assert not path.exists()
+
+
+def test_another_cpu_model_flags_or_kernel_build_measures_again(tmp_path: Path) -> None:
+    path = tmp_path / native.CHOICE_FILE
+    measure = FakeMeasure({"avx512": 0.01, "avx2": 0.02})
+    other_model = KEY.replace("8480+", "8592+")
+    other_flags = KEY.replace("flags=0123", "flags=4567")
+    other_kernels = KEY.replace("kernels=fedc", "kernels=ba98")
+    for n, key in enumerate((KEY, other_model, other_flags, other_kernels), start=1):
+        assert native.choose_isa(BOTH, key, path, measure) == "avx512"
+        assert measure.calls == n
+    # Another build of the kernels replaces its CPU's stale entry; other CPUs' stay.
+    assert sorted(json.loads(path.read_text())["choices"]) == sorted(
+        [other_model, other_flags, other_kernels])
+
+
+@pytest.mark.parametrize("text", [
+    "{not json",
+    "[]",
+    '{"version": 1, "choices": []}',
+    json.dumps({"version": 1, "choices": {KEY: {"isa": "sse9", "ms": {}}}}),
+    json.dumps({"version": 1, "choices": {KEY: {"isa": "avx2", "ms": {"avx2": "fast"}}}}),
+])
+def test_a_corrupt_cache_file_is_measured_again_not_trusted(tmp_path: Path, text: str) -> None:
+    path = tmp_path / native.CHOICE_FILE
+    path.write_text(text)
+    measure = FakeMeasure({"avx512": 0.01, "avx2": 0.02})
+    assert native.choose_isa(BOTH, KEY, path, measure) == "avx512"
+    assert measure.calls == 1
+    assert json.loads(path.read_text())["choices"][KEY] == {
+        "isa": "avx512", "ms": {"avx512": 10.0, "avx2": 20.0}}
+
+
+def test_processes_measure_one_at_a_time_and_the_later_take_the_first_ones_choice(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / native.CHOICE_FILE
+    with native._locked(path.with_suffix(".lock")):  # the lock is exclusive between opens
+        fd = os.open(path.with_suffix(".lock"), os.O_RDWR)
+        try:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def another_process_measures_first(lock: Path) -> Iterator[None]:
+        path.write_text(json.dumps({"version": 1, "choices": {
+            KEY: {"isa": "avx2", "ms": {"avx512": 2.0, "avx2": 1.0}}}}))
+        yield
+
+    monkeypatch.setattr(native, "_locked", another_process_measures_first)
+    measure = FakeMeasure({"avx512": 0.01, "avx2": 0.02})
+    assert native.choose_isa(BOTH, KEY, path, measure) == "avx2"
+    assert measure.calls == 0
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="an x86-64 host's choice")
+def test_nanoserve_isa_overrides_the_cached_choice(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    try:
+        native._compiler()
+    except RuntimeError:
+        pytest.skip("the libraries' names need the compiler command")
+    facts = cpu.CpuFacts(SPR_FLAGS, ALL_STATE, True, "Test CPU")
+    monkeypatch.setattr(cpu, "host", lambda: facts)
+    monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path))
+    monkeypatch.delenv("NANOSERVE_ISA", raising=False)
+    monkeypatch.delenv("NANOSERVE_NATIVE", raising=False)
+
+    def no_measuring(candidates: Sequence[str]) -> dict[str, float]:
+        raise AssertionError("measured despite a cached choice")
+
+    monkeypatch.setattr(native, "_measure_decode", no_measuring)
+    key = native._auto_key(tmp_path, BOTH)
+    assert key.startswith(f"Test CPU|flags={facts.digest()}|kernels=")
+    (tmp_path / "native").mkdir()
+    (tmp_path / "native" / native.CHOICE_FILE).write_text(json.dumps(
+        {"version": 1, "choices": {key: {"isa": "avx2", "ms": {"avx512": 2.0, "avx2": 1.0}}}}))
+    try:
+        assert native.isa() == "avx2"
+        for forced in ("avx512", "generic"):
+            monkeypatch.setenv("NANOSERVE_ISA", forced)
+            assert native.isa() == forced
+    finally:
+        native._auto_isa.cache_clear()  # holds this test's folder and fake CPU
 
 
 @pytest.mark.skipif("avx2" not in cpu.host().usable, reason="shows oneDNN's AVX2 code")

@@ -10,6 +10,7 @@ compiler, or NANOSERVE_NATIVE=0, runs the stock path.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from support.native_check import ISA_PARAMS, kernels_for, require_native
 from nanoserve.model import ops
 from nanoserve.model.attention import attend, plan_attention
 from nanoserve.model.base import ForwardBatch
+from nanoserve.model.cache import cache_root
 from nanoserve.model.native import Kernels
 
 
@@ -227,7 +229,6 @@ def test_without_a_compiler_the_model_runs_the_stock_path(tmp_path: Path) -> Non
 
 def test_a_load_keeps_its_library_and_a_build_prunes_the_stale_ones(tmp_path: Path) -> None:
     from nanoserve.model import native
-    from nanoserve.model.cache import cache_root
 
     day = 86400.0
     now = 2_000_000_000.0  # a fixed "now": the ages are all relative to it
@@ -295,4 +296,37 @@ def test_nanoserve_isa_chooses_the_kernels_a_model_runs(monkeypatch: pytest.Monk
         assert chosen.isa == isa
         assert chosen.ops.isa() == isa  # the library really was built for it
     monkeypatch.delenv("NANOSERVE_ISA")
-    assert native.isa() == native.supported()[0]
+    auto = native.isa()
+    candidates = tuple(i for i in native.supported() if i != "generic")
+    if len(candidates) < 2:  # nothing to measure: the one set there is
+        assert auto == native.supported()[0]
+    else:  # measured once per machine and build of the kernels, and kept beside them
+        choices = json.loads((cache_root() / "native" / native.CHOICE_FILE).read_text())
+        assert auto == choices["choices"][native._auto_key(cache_root(), candidates)]["isa"]
+    loaded = native.kernels()
+    assert loaded is not None
+    assert loaded.isa == auto
+
+
+def test_the_measurement_times_one_row_through_each_format(k: Kernels) -> None:
+    """The real measurement's code on tiny weights, timed by a fake clock: every set takes
+    its turn in each repeat, and the best of the repeats is its figure."""
+    from nanoserve.model import native
+
+    weights = native.decode_weights(rows=8, cols=256)
+    assert [(tuple(b.shape), fmt) for b, fmt in weights] == [((8, 144), "q4_0"),
+                                                             ((8, 144), "q4_k")]
+    q4_0, q4_k = (b.reshape(-1, size) for (b, _), size in zip(weights, (18, 144), strict=True))
+    assert torch.equal(q4_0[:, :2].view(torch.float16), torch.full((64, 1), 0.01).half())
+    assert torch.equal(q4_k[:, :4].view(torch.float16), torch.full((8, 2), 0.01).half())
+    ticks = iter([0.0, 3.0, 3.0, 5.0, 5.0, 7.0, 7.0, 8.0])  # (start, end) x 2 sets x 2 repeats
+    calls = []
+
+    def clock() -> float:
+        calls.append(1)
+        return next(ticks)
+
+    seconds = native.time_decode({"wide": k.ops, "narrow": k.ops}, weights, 256, repeats=2,
+                                 timer=clock)
+    assert seconds == {"wide": 2.0, "narrow": 1.0}
+    assert len(calls) == 8
