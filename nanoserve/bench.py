@@ -166,7 +166,7 @@ class _TimedModel:
         return self._timed(self._model.forward, batch)
 
     def pick_greedy(self, batch: object) -> object:
-        return self._timed(self._model.pick_greedy, batch)  # type: ignore[attr-defined]
+        return self._timed(self._model.pick_greedy, batch)
 
 
 def step_overhead(model: Model, tok: Tokenizer, prompt: list[int], n: int) -> Figures:
