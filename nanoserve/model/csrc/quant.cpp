@@ -255,6 +255,16 @@ NS_INLINE vf lookup5(__m512i index, __mmask16 fifth, __m512 lo, __m512 hi) {
 // batch-1 decode of Q4_K 6.4 against 7.8 GB/s, one thread, AVX-512, lookups included).
 struct NoScales {};
 
+// Tells the compiler that a block's multipliers, once stored, are to be read back from
+// memory: each unit then broadcasts its own with a load (vbroadcastss from memory), where GCC
+// otherwise keeps the vector in a register and picks each one out with a vpermd (batch-1
+// decode, one thread, AVX-512, weights in cache: Q4_K 8.0 against 9.0 GB/s, Q6_K 8.0
+// against 9.5).
+template <class T>
+NS_INLINE void from_memory(T& scales) {
+  asm volatile("" : "+m"(scales));
+}
+
 // Q4_K's and Q5_K's v[u] = d * sc_u and v[8 + u] = dmin * m_u (exact products, as gguf-py).
 struct KScales {
   alignas(64) float v[16];
@@ -282,6 +292,13 @@ NS_INLINE KScales k_scales(const uint8_t* b) {
   const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm))));
   const __m512 by = _mm512_insertf32x8(_mm512_set1_ps(d), _mm256_set1_ps(dmin), 1);
   _mm512_store_ps(k.v, _mm512_mul_ps(f, by));
+  from_memory(k);
+#elif defined(NANOSERVE_AVX2)
+  const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sm));
+  _mm256_store_ps(k.v, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(p)), _mm256_set1_ps(d)));
+  _mm256_store_ps(k.v + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(p, 8))),
+                                         _mm256_set1_ps(dmin)));
+  from_memory(k);
 #else
   for (int i = 0; i < 8; ++i) {
     k.v[i] = d * static_cast<float>(sm[i]);
@@ -307,6 +324,16 @@ NS_INLINE Q6Scales q6_scales(const uint8_t* b) {
       _mm512_set1_ps(d));
   _mm512_store_ps(s.ds, ds);
   _mm512_store_ps(s.neg32ds, _mm512_mul_ps(ds, _mm512_set1_ps(-32.0f)));
+  from_memory(s);
+#elif defined(NANOSERVE_AVX2)
+  const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
+  for (int h = 0; h < 2; ++h) {
+    const __m256 ds = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h ? _mm_srli_si128(p, 8) : p)),
+                                    _mm256_set1_ps(d));
+    _mm256_store_ps(s.ds + 8 * h, ds);
+    _mm256_store_ps(s.neg32ds + 8 * h, _mm256_mul_ps(ds, _mm256_set1_ps(-32.0f)));
+  }
+  from_memory(s);
 #else
   for (int i = 0; i < 16; ++i) {
     s.ds[i] = d * static_cast<float>(sc[i]);
