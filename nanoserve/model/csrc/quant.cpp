@@ -84,6 +84,9 @@ constexpr int kPer = kBlock / kW;  // vectors per block of 32 weights
 // 109 against 164 at 64; AVX-512).
 constexpr int64_t kRegisterRows = 8;  // quant.py's REGISTER_ROWS (the cost model's bands)
 
+// How far ahead of the block it multiplies the register kernel asks for the weights' bytes.
+constexpr int64_t kPrefetchBytes = 1024;
+
 NS_INLINE float vsum(vf v) {
 #if defined(NANOSERVE_AVX512)
   return _mm512_reduce_add_ps((__m512)v);
@@ -593,6 +596,12 @@ inline void rows_dot(const float* x, int64_t xs, const uint8_t* row, int64_t nb,
   constexpr int A = accumulators<R>();
   vf a[R][A] = {};
   for (int64_t b = 0; b < nb; ++b) {
+    // The hardware prefetcher alone left each thread short of the bytes it could multiply
+    // (two threads, 256 MB of weights, GB/s without and with: Q4_0 17.8 and 20.0, Q4_K 15.2
+    // and 17.5); a prefetch cannot fault, so reading past the last row is harmless.
+    for (int64_t l = 0; l < F::kBytes; l += 64) {
+      __builtin_prefetch(row + b * F::kBytes + kPrefetchBytes + l);
+    }
     const typename F::Scales s = F::scales(row + b * F::kBytes);
 #pragma GCC unroll 8
     for (int u = 0; u < F::kUnits; ++u) {
