@@ -20,6 +20,10 @@ has it. Each way's time is also given against float32 `x @ w.t()` over the same 
 timed in the same run:
 
     .venv/bin/python scripts/bench_kernels.py --format q4_k,q6_k [--head] [--layers 1]
+
+With --stream, batch-1 streaming in GB/s per format against the read bandwidth:
+
+    .venv/bin/python scripts/bench_kernels.py --stream all [--mbytes 256] [--isa avx2]
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -41,6 +46,7 @@ from nanoserve.model.quant import (
     QuantWeight,
     Scratch,
     dense_from_rows,
+    row_bytes,
 )
 
 SHAPES = [(1024, 640), (640, 1024), (2048, 640), (640, 2048)]  # Gemma 3 270M's, out x in
@@ -114,6 +120,30 @@ def bench_format(fmt: str, a: argparse.Namespace) -> None:
                   f"{t_f / t_d:>8.2f}x {t_f / auto:>7.2f}x")
 
 
+def bench_stream(a: argparse.Namespace) -> None:
+    """Batch-1 streaming: one row of x against --mbytes of each format's weights (larger
+    than the last-level cache, so they come from memory as a model's do), GB/s of weight
+    bytes, beside the kernels' own read of a buffer that size (stream_read, no writes): the
+    share of the read bandwidth each format's kernel reaches."""
+    formats = a.stream.split(",") if a.stream != "all" else list(_HALVES) + ["f16"]
+    cols = 4096  # a whole number of every format's blocks
+    for isa in a.isa.split(","):
+        k = native.kernels(isa)
+        assert k is not None
+        print(f"\n{isa}: one row, {a.mbytes} MB of weights per format, "
+              f"{torch.get_num_threads()} threads")
+        print(f"{'format':>7} {'GB/s':>7} {'read GB/s':>9} {'share':>6}")
+        for fmt in formats:
+            rows = (a.mbytes << 20) // row_bytes(fmt, cols)
+            w = synthetic(fmt, rows, cols)
+            x, out = torch.randn(1, cols), torch.empty(1, rows)
+            nbytes = w.blocks.nbytes
+            t_k = best_ms(partial(k.ops.quant_linear, x, w.blocks, w.format, out), a.repeat)
+            t_r = best_ms(partial(k.ops.stream_read, w.blocks.view(-1)), a.repeat)
+            gbs, read = nbytes / t_k / 1e6, nbytes / t_r / 1e6
+            print(f"{fmt:>7} {gbs:>7.1f} {read:>9.1f} {gbs / read:>6.0%}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", default="1,2,4,8,16,32,64,128,256")
@@ -124,7 +154,13 @@ def main() -> None:
     p.add_argument("--head", action="store_true", help="with --format: the LM head too")
     p.add_argument("--layers", type=int, default=18,
                    help="with --format: copies of the shapes (Gemma 3 270M has 18 layers)")
+    p.add_argument("--stream", default="",
+                   help="batch-1 GB/s of these formats (or all) against the read bandwidth")
+    p.add_argument("--mbytes", type=int, default=256, help="with --stream: MB per format")
     a = p.parse_args()
+    if a.stream:
+        bench_stream(a)
+        return
     if a.format:
         for fmt in a.format.split(","):
             bench_format(fmt, a)
