@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--model", default="smollm2")
     g.add_argument("--max-tokens", type=flags.positive_int, default=64)
     g.add_argument("--temperature", type=flags.non_negative_float, default=0.0)
-    g.add_argument("--seed", type=flags.int64, default=0)
+    g.add_argument("--seed", type=flags.seed, default=0)
     g.add_argument("--device", default="cpu")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     b = sub.add_parser("bench", help="offline throughput on hf_peer.py's workload")

@@ -69,8 +69,10 @@ class EngineConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
                 raise ConfigError(f"{name} must be an integer >= 1 or unset, got {value!r}")
-        if self.kv_cache_memory < 1:
-            raise ConfigError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if isinstance(self.kv_cache_memory, bool) or not isinstance(self.kv_cache_memory, int) \
+                or self.kv_cache_memory < 1:
+            raise ConfigError(f"kv_cache_memory must be a number of bytes > 0, got "
+                              f"{self.kv_cache_memory!r}")
         # A request's seed is mixed from this one in 64 bits (seeds.mix64): a wider one would
         # alias another seed silently. vLLM's range.
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or \

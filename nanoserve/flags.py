@@ -73,6 +73,9 @@ positive_int = int_range(1)
 non_negative_int = int_range(0)
 # Seeds: vLLM's range, and what a seed turns into everywhere (mix64, torch's generators).
 int64 = int_range(INT64_MIN, INT64_MAX, "a 64-bit signed integer")
+# A server's or a run's own seed: never negative, since elsewhere (llama.cpp's --seed -1)
+# a negative seed means "pick one at random", and here it would fix one silently.
+seed = int_range(0, INT64_MAX, "a seed: an integer")
 
 
 def positive_float(text: str) -> float:

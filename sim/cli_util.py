@@ -60,6 +60,12 @@ def engine_config(pairs: list[str]) -> EngineConfig:
     bad = sorted(set(kw) - set(ENGINE_KEYS))
     if bad:
         raise ValueError(f"--engine {bad[0]}: not an engine setting ({', '.join(ENGINE_KEYS)})")
+    memory = kw.get("kv_cache_memory")
+    if isinstance(memory, str):  # a size as serve's --kv-cache-memory takes it: 2GiB
+        try:
+            kw["kv_cache_memory"] = flags.size_bytes(memory)
+        except argparse.ArgumentTypeError as exc:
+            raise ValueError(f"--engine kv_cache_memory: {exc}") from None
     return EngineConfig(**kw)
 
 

@@ -67,5 +67,8 @@ def parse_slo_items(text: str, metrics: Sequence[str], *, percentile: bool
         if seconds is None:
             raise ValueError(f"--slo {m.group(1)}: a duration with its unit (2s, 200ms), "
                              f"got {m.group(3).strip()!r}")
+        if seconds <= 0:  # no request is served in no time: a target nothing can meet
+            raise ValueError(f"--slo {m.group(1)}: must be a duration > 0, got "
+                             f"{m.group(3).strip()!r}")
         out.append((m.group(1), p, seconds))
     return out

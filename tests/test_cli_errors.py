@@ -39,6 +39,7 @@ WORK = ["trio.run", "nanoserve.bench._load", "nanoserve.llm.LLM", "nanoserve.mod
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MEMORY = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 NOT_A_FILE_INLINE = "(a template given inline holds {{ or {%)"
+LOAD = "n=4,prompt=fixed:8,output=fixed:8"  # a load spec that passes, so the row's flag is judged
 
 
 class Reached(Exception):  # noqa: N818  (a row that reaches the work has failed)
@@ -80,11 +81,15 @@ CASES: list[Any] = [
      S + "argument --served-model-name: must not be empty"),
     ("nanoserve", _serve("--api-key", " "), S + "argument --api-key: must not be empty"),
     ("nanoserve", _serve("--seed", str(INT64_MAX + 1)),
-     S + f"argument --seed: must be a 64-bit signed integer from {INT64_MIN} to {INT64_MAX}, "
+     S + f"argument --seed: must be a seed: an integer from 0 to {INT64_MAX}, "
      f"got {INT64_MAX + 1}"),
-    ("nanoserve", _serve("--seed", str(INT64_MIN - 1)),
-     S + f"argument --seed: must be a 64-bit signed integer from {INT64_MIN} to {INT64_MAX}, "
-     f"got {INT64_MIN - 1}"),
+    # issue 42: -1 is "random" to llama.cpp; here it would be a fixed seed, silently
+    ("nanoserve", _serve("--seed", "-1"),
+     S + f"argument --seed: must be a seed: an integer from 0 to {INT64_MAX}, got -1"),
+    ("nanoserve", ["generate", "hi", "--model", "stub", "--seed", "-1"],
+     G + f"argument --seed: must be a seed: an integer from 0 to {INT64_MAX}, got -1"),
+    ("nanoserve", _serve("--quantization", "q4_0"),
+     S + "--quantization q4_0: the stub has no weights to quantize (auto or none)"),
     ("nanoserve", _serve("-tp", "0"),
      S + "argument --tensor-parallel-size/-tp: must be an integer >= 1, got 0"),
     ("nanoserve", _serve("--num-blocks", "0"),
@@ -220,6 +225,25 @@ CASES: list[Any] = [
     ("sim", ["capacity", "--load", "n=4", "--cost", "sim/costs/smollm2-cpu.json", "--max-queue",
              "-1"],
      "sim capacity: error: argument --max-queue: must be an integer >= 0, got -1"),
+    # issue 42: a TypeError traceback, then values that planned nothing and exited 0
+    ("sim", ["capacity", "--load", "n=4", "--cost", "sim/costs/smollm2-cpu.json", "--engine",
+             "kv_cache_memory=abc"],
+     "sim capacity: --engine kv_cache_memory: not a size: 'abc' (try 2GiB, 512MiB, 1000000)"),
+    ("sim", ["validate", "--load", "n=4", "--cost", "sim/costs/smollm2-cpu.json", "--engine",
+             "kv_cache_memory=abc"],
+     "sim validate: --engine kv_cache_memory: not a size: 'abc' (try 2GiB, 512MiB, 1000000)"),
+    ("sim", ["validate", "--load", "n=4", "--cost", "sim/costs/smollm2-cpu.json", "--engine",
+             "kv_cache_memory=[1]"],
+     "sim validate: kv_cache_memory must be a number of bytes > 0, got [1]"),
+    ("sim", ["capacity", "--load", LOAD, "--cost", "sim/costs/smollm2-cpu.json", "--sweep",
+             "rate=1,inf"],
+     "sim capacity: --sweep rate: needs finite values > 0, got '1,inf'"),
+    ("sim", ["capacity", "--load", LOAD, "--cost", "sim/costs/smollm2-cpu.json", "--sweep",
+             "rate=nan"],
+     "sim capacity: --sweep rate: needs finite values > 0, got 'nan'"),
+    ("sim", ["capacity", "--load", LOAD, "--cost", "sim/costs/smollm2-cpu.json", "--slo",
+             "ttft_p99=0s"],
+     "sim capacity: --slo ttft: must be a duration > 0, got '0s'"),
     ("sim", ["validate", "--load", "n=4", "--cost", "sim/costs/smollm2-cpu.json", "--runs", "0"],
      "sim validate: error: argument --runs: must be an integer >= 1, got 0"),
     ("sim", ["profile", "--reps", "0"], "sim profile: error: argument --reps: must be an integer "

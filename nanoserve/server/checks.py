@@ -24,9 +24,11 @@ from nanoserve.model.preflight import check_int8_activations
 
 # vLLM's rule for --chat-template: a value holding one of these is a template, else a path.
 _JINJA_CHARS = "{}\n"
-# Templates nanoserve ships, by name: ChatML that renders tools (server/templates/).
+# Templates nanoserve ships, by name, each the files joined (server/templates/): ChatML that
+# renders tools, and the same with SmolLM2's default system turn (serve's default for it).
 _TEMPLATES = Path(__file__).parent / "templates"
-BUILTIN_TEMPLATES = {"chatml-tools": "chatml_tools.jinja"}
+BUILTIN_TEMPLATES = {"chatml-tools": ("chatml_tools.jinja",),
+                     "smollm2-tools": ("smollm2_system.jinja", "chatml_tools.jinja")}
 
 
 def check_flags(a: argparse.Namespace) -> None:
@@ -35,6 +37,9 @@ def check_flags(a: argparse.Namespace) -> None:
         raise ConfigError("--record-redact redacts what --record writes: give --record FILE")
     if a.int8_activations:
         check_int8_activations(a.model, a.tensor_parallel_size, a.device)
+    if a.model == "stub" and a.quantization not in ("auto", "none"):
+        raise ConfigError(f"--quantization {a.quantization}: the stub has no weights to "
+                          "quantize (auto or none)")
 
 
 
@@ -46,7 +51,8 @@ def chat_template(value: str | None) -> str | None:
     if value is None:
         return None
     if value in BUILTIN_TEMPLATES:
-        return (_TEMPLATES / BUILTIN_TEMPLATES[value]).read_text(encoding="utf-8")
+        return "".join((_TEMPLATES / name).read_text(encoding="utf-8")
+                       for name in BUILTIN_TEMPLATES[value])
     path = Path(value)
     if path.is_file() or not any(c in value for c in _JINJA_CHARS):
         try:

@@ -23,7 +23,8 @@ class CorsPolicy:
 class AgentSettings:
     """How chat answers are read for agents (server/tools/), as vLLM's flags decide it:
     `--tool-call-parser` (None: hermes where the chat template is ChatML),
-    `--enable-auto-tool-choice` (tool_choice "auto" is refused without it) and
+    `--enable-auto-tool-choice` (tool_choice "auto" is refused without it; here off, as
+    vLLM's default, for an embedding program; `serve` turns it on) and
     `--reasoning-parser` (None: no reasoning_content split)."""
 
     tool_call_parser: str | None = None

@@ -87,7 +87,8 @@ def _model_args(g: argparse._ArgumentGroup) -> None:
       help="seconds a tensor-parallel rank may go silent (stopped, hung) before it is taken as "
       f"lost: the engine fails and /health answers 503 [{DEFAULT_HEARTBEAT_TIMEOUT_S:g}]")
     a("--chat-template", default=None, help="a Jinja template, or a file holding one, or "
-      "chatml-tools (nanoserve's ChatML that renders tools)")
+      "chatml-tools (nanoserve's ChatML that renders tools) [smollm2-tools for smollm2 and "
+      "stub: SmolLM2's own, with tools]")
 
 
 def _engine_args(g: argparse._ArgumentGroup) -> None:
@@ -100,7 +101,7 @@ def _engine_args(g: argparse._ArgumentGroup) -> None:
     a("--max-num-seqs", type=flags.positive_int, default=64)
     a("--max-num-batched-tokens", type=flags.positive_int, default=512)
     a("--max-model-len", type=flags.positive_int, default=None)
-    a("--seed", type=flags.int64, default=0)
+    a("--seed", type=flags.seed, default=0)
     a("--max-queue", type=flags.non_negative_int, default=1024,
       help="waiting requests beyond which new ones get 429")
 
@@ -135,8 +136,10 @@ def _agent_args(g: argparse._ArgumentGroup) -> None:
     a = g.add_argument
     a("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
       help="how tool calls are read out of the model's text [hermes for ChatML templates]")
-    a("--enable-auto-tool-choice", action="store_true",
-      help='let requests use tool_choice "auto" (the model decides whether to call)')
+    a("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=None,
+      help='let requests use tool_choice "auto" (the model decides whether to call) '
+      "[on: wherever the chat template renders tools; --no-enable-auto-tool-choice refuses "
+      "it, as vLLM does without the flag]")
     a("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
       help="split <think>...</think> into reasoning_content")
 
@@ -150,8 +153,15 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
     )
 
 
+# The embedded models' chat templates when --chat-template is not given: SmolLM2's (the stub
+# speaks its tokenizer) is its own plus tools, so tool calling works with no flag, as under
+# llama.cpp's server and Ollama; Gemma 3 270M is a base model with no template at all (a
+# chat request is a 400 that says to use /v1/completions), so it gets none, nor tools.
+EMBEDDED_TEMPLATES = {"smollm2": "smollm2-tools", "stub": "smollm2-tools"}
+
+
 def server_config(a: argparse.Namespace) -> ServerConfig:
-    template = checks.chat_template(a.chat_template)
+    template = checks.chat_template(a.chat_template or EMBEDDED_TEMPLATES.get(a.model))
     cors = CorsPolicy(tuple(a.allowed_origins), tuple(a.allowed_methods),
                       tuple(a.allowed_headers), a.allow_credentials)
     return ServerConfig(
@@ -159,9 +169,17 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
         api_key=a.api_key or os.environ.get("NANOSERVE_API_KEY") or None,
         max_queue=a.max_queue, max_body_bytes=a.max_body_bytes, body_timeout=a.body_timeout,
         chat_template=template, model_root=a.model, cors=cors,
-        agents=AgentSettings(a.tool_call_parser, a.enable_auto_tool_choice,
-                             a.reasoning_parser),
+        agents=agent_settings(a),
     )
+
+
+def agent_settings(a: argparse.Namespace) -> AgentSettings:
+    """vLLM's flags, with "auto" on unless --no-enable-auto-tool-choice: vLLM refuses it
+    without its flag, llama.cpp's server and Ollama allow it wherever the template can show
+    the model its tools. A request still needs such a template and a parser (plan.py's 400s
+    name the flag that would give each), so "on" means on wherever tools render."""
+    auto = a.enable_auto_tool_choice is not False
+    return AgentSettings(a.tool_call_parser, auto, a.reasoning_parser)
 
 
 def run(a: argparse.Namespace) -> int:

@@ -31,10 +31,11 @@ is what the client sent.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from nanoserve.server.errors import bad_request
+from nanoserve.server.errors import ApiError, bad_request
 
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = ("input_text", "output_text")
@@ -42,6 +43,23 @@ _TOOL_CHOICES = ("none", "auto", "required")
 # Fields that would need state kept between requests: refused when not null.
 _STATEFUL = ("previous_response_id", "conversation", "prompt")
 _PASSED = ("model", "temperature", "top_p", "seed", "stream", "parallel_tool_calls")
+
+
+# The chat fields to_chat_body writes under another name: a 400 from the chat machinery
+# names the field as the Responses request spells it (longest chat name first).
+_RESPONSES_NAMES = (("response_format.json_schema.schema", "text.format.schema"),
+                    ("response_format.json_schema", "text.format"),
+                    ("response_format", "text.format"), ("max_tokens", "max_output_tokens"))
+
+
+def responses_error(exc: ApiError) -> ApiError:
+    """`exc`, a 400 about the chat body to_chat_body made, with its field (in `param` and
+    in the message) spelt as the Responses request spells it."""
+    for chat, ours in _RESPONSES_NAMES:
+        if exc.param is not None and (exc.param == chat or exc.param.startswith(chat + ".")):
+            return dataclasses.replace(exc, param=ours + exc.param[len(chat):],
+                                       message=exc.message.replace(chat, ours))
+    return exc
 
 
 def to_chat_body(body: Mapping[str, Any]) -> dict[str, Any]:

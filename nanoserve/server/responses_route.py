@@ -16,10 +16,11 @@ from collections.abc import AsyncGenerator
 from quart import Quart, Response, current_app
 
 from nanoserve.server import parse, recording
+from nanoserve.server.errors import ApiError
 from nanoserve.server.generation import prepare_all, read_json, request_core_id
 from nanoserve.server.jobs import Ended, Item, Job
 from nanoserve.server.respond import SseBody, failure, json_response
-from nanoserve.server.responses_api import request_echo, to_chat_body
+from nanoserve.server.responses_api import request_echo, responses_error, to_chat_body
 from nanoserve.server.responses_events import Event, ResponseRenderer
 from nanoserve.server.state import current_state, ready
 from nanoserve.server.tools.output import ChoiceOutput, Delta, OutputPlan
@@ -32,9 +33,12 @@ def register(app: Quart) -> None:
         r = ready(st)
         body = await read_json()
         chat = to_chat_body(body)
-        req = parse.chat(chat, r.api, r.tokenizer, st.config.chat_template, st.now,
-                         st.config.agents)
-        prepared = prepare_all(r, req)
+        try:
+            req = parse.chat(chat, r.api, r.tokenizer, st.config.chat_template, st.now,
+                             st.config.agents)
+            prepared = prepare_all(r, req)
+        except ApiError as exc:  # named as the Responses request spells the field
+            raise responses_error(exc) from None
         rid = f"resp_{request_core_id(st)}"
         renderer = ResponseRenderer(rid, st.config.served_model_name, int(st.now()),
                                     request_echo(body))

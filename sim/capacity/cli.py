@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import math
 from concurrent.futures import Executor
 from contextlib import nullcontext
 from pathlib import Path
@@ -105,8 +106,8 @@ def parse_sweeps(items: list[str]) -> dict[str, list[float]]:
             vals = [float(v) for v in values.split(",") if v.strip()]
         except ValueError:
             raise ValueError(f"--sweep {key}: values must be numbers, got {values!r}") from None
-        if not vals or any(v <= 0 for v in vals):
-            raise ValueError(f"--sweep {key}: needs values > 0, got {values!r}")
+        if not vals or not all(0 < v < math.inf for v in vals):  # NaN fails both
+            raise ValueError(f"--sweep {key}: needs finite values > 0, got {values!r}")
         if key != "rate" and any(v != int(v) for v in vals):
             raise ValueError(f"--sweep {key}: values must be integers, got {values!r}")
         out[key] = vals

@@ -109,7 +109,13 @@ def add_parser(sub: Any) -> None:
                    "the table, each run's speed and contention) as text to keep beside the "
                    "cost model")
     add_trace_args(p)
-    p.set_defaults(main=guarded(run_validate))
+    p.set_defaults(main=guarded(_checked))
+
+
+def _checked(a: argparse.Namespace) -> int:
+    """`--engine` judged before anything loads or runs (one line, exit 2, if it is bad)."""
+    engine_config(a.engine)
+    return run_validate(a)
 
 
 def simulated(workload: Workload, cost: CostModel, tokenizer: Any, config: EngineConfig,

@@ -68,19 +68,73 @@ def after_reasoning(spec: GuidedSpec, opening_optional: bool) -> GuidedSpec:
     (deepseek_r1, whose template may already have opened the thinking): the output thinks
     first, with or without its own `<think>`; else (qwen3) it thinks only if it opens with
     `<think>`, and may go straight to what `spec` allows (thinking switched off)."""
-    if spec.kind == "json":
-        body = "%json " + json.dumps(_laid_out(json.loads(spec.source)))
-    elif spec.kind == "regex":
-        body = "/" + spec.source.replace("/", "\\/") + "/"
-    elif spec.kind == "choice":
-        body = " | ".join(json.dumps(o) for o in json.loads(spec.source))
-    else:
-        body = "%lark {\n" + spec.source + "\n}"
     thinking = ('"<think>"? think /[ \\t\\n]*/' if opening_optional
                 else '("<think>" think /[ \\t\\n]*/)?')
     grammar = (f"%llguidance {{}}\nstart: {thinking} body\n"
-               f'think[stop="</think>"]: /(.|\\n)*/\nbody: {body}\n')
+               f'think[stop="</think>"]: /(.|\\n)*/\nbody: {_rule_body(spec)}\n')
     return GuidedSpec("grammar", grammar, spec.field)
+
+
+def _rule_body(spec: GuidedSpec) -> str:
+    """`spec` as the right-hand side of one Lark rule: a nested JSON schema, regex, choice
+    or grammar (llguidance nests grammars with `%json {...}` and `%lark {...}`)."""
+    if spec.kind == "json":
+        return "%json " + json.dumps(_laid_out(json.loads(spec.source)))
+    if spec.kind == "regex":
+        return "/" + spec.source.replace("/", "\\/") + "/"
+    if spec.kind == "choice":
+        return " | ".join(json.dumps(o) for o in json.loads(spec.source))
+    return "%lark {\n" + spec.source + "\n}"
+
+
+# Each parser's markup around its calls under "auto" (the text the parser reads back as
+# calls): what opens the calls, what separates two, what closes them, and the key the
+# arguments go under. The markers are written as text: the model may spell them in plain
+# tokens, and the parser reads the detokenized text either way. Pythonic calls are Python,
+# not JSON, and have their own rules (_PYTHONIC).
+_FORMATS: dict[str, tuple[str, str, str, str]] = {
+    "hermes": ("<tool_call>\n", "\n</tool_call>\n<tool_call>\n", "\n</tool_call>",
+               "arguments"),
+    "llama3_json": ("", "; ", "", "parameters"),
+    "mistral": ("[TOOL_CALLS][", ", ", "]", "arguments"),
+}
+# A Python literal, as the pythonic parser's `ast.literal_eval` reads it: one space after
+# ',' and ':' as JSON_LAYOUT lays JSON out. The arguments are not checked against the
+# tools' schemas here (only their names are): a call that does not fit still reads back.
+_PYTHONIC = r"""
+pyval: PYSTR | PYNUM | "True" | "False" | "None" | "[" (pyval (", " pyval)*)? "]"
+     | "{" (PYSTR ": " pyval (", " PYSTR ": " pyval)*)? "}"
+PYSTR: /"(\\[\\"nrt]|[^"\\\x00-\x1f])*"/
+PYNUM: /-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/
+kwarg: /[A-Za-z_][A-Za-z_0-9]*/ "=" pyval
+kwargs: (kwarg (", " kwarg)*)?
+"""
+
+
+def auto_calls(tools: Sequence[dict[str, Any]], parser: str, parallel: bool) -> str:
+    """Lark rules whose `calls` is what `parser` reads as calls of `tools` (one, or several
+    with `parallel`): the "call" side of "a call, or text in the schema" under "auto"."""
+    if parser == "pythonic":
+        names = " | ".join(json.dumps(t["function"]["name"]) for t in tools)
+        more = ' (", " pcall)*' if parallel else ""
+        return (f'calls: "[" pcall{more} "]"\npcall: ({names}) "(" kwargs ")"\n' + _PYTHONIC)
+    opening, between, closing, key = _FORMATS[parser]
+    items = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                               key: parameters(t)},
+              "required": ["name", key], "additionalProperties": False} for t in tools]
+    call = items[0] if len(items) == 1 else {"anyOf": items}
+    more = f"({json.dumps(between)} call)*" if parallel else ""
+    seq = " ".join(p for p in (opening and json.dumps(opening), "call", more,
+                               closing and json.dumps(closing)) if p)
+    return f"calls: {seq}\ncall: %json {json.dumps(_laid_out(call))}\n"
+
+
+def call_or_answer(calls: str, answer: GuidedSpec) -> GuidedSpec:
+    """Under "auto" with a response format: the output is the calls (`auto_calls`'s rules)
+    or an answer that `answer` allows, whichever the model starts; one grammar, named by
+    the response format's field (its errors are the ones a client can fix there)."""
+    grammar = f"%llguidance {{}}\nstart: calls | answer\nanswer: {_rule_body(answer)}\n{calls}"
+    return GuidedSpec("grammar", grammar, answer.field)
 
 
 class NamedCallParser(ToolParser):

@@ -5,10 +5,15 @@ The rules are the OpenAI API's, with vLLM's server flags:
 - `tools` without `tool_choice` means "auto"; `tool_choice` other than "none" without
   `tools` is a 400, as is a named function that is not among them.
 - "auto" needs `--enable-auto-tool-choice` (vLLM's rule: the server must know how to read
-  its model's calls) and a parser: `--tool-call-parser`, else hermes where the template is
-  ChatML (Qwen2.5, Qwen3, Hermes and SmolLM2 all write `<|im_start|>`).
+  its model's calls; `serve` sets it unless given --no-enable-auto-tool-choice) and a
+  parser: `--tool-call-parser`, else hermes where the template is ChatML (Qwen2.5, Qwen3,
+  Hermes and SmolLM2 all write `<|im_start|>`).
 - "required" and a named function are enforced by the grammar engine (constrained.py),
   after the thinking where the server has a reasoning parser.
+- Constraints compose as OpenAI's do: a forced call ("required", named) is shaped by its
+  tools' schemas alone, since it has no text answer for `response_format` to shape (the
+  format is still checked); under "auto", `response_format` makes the output "a call, or
+  text in the schema": one grammar, the parser's call markup | the format's (AutoCalls).
 - A template that never reads `tools` cannot show the model its functions: a 400 naming
   `tools` (not a silent drop), pointing at `--chat-template chatml-tools`.
 - Each function's `parameters` must be a valid JSON schema (Draft 2020-12's metaschema).
@@ -16,7 +21,9 @@ The rules are the OpenAI API's, with vLLM's server flags:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jsonschema
@@ -24,16 +31,33 @@ import jsonschema
 from nanoserve.sampling.grammar import GuidedSpec
 from nanoserve.server.config import AgentSettings
 from nanoserve.server.errors import bad_request
-from nanoserve.server.tools.constrained import after_reasoning, named_spec, required_spec
+from nanoserve.server.tools.constrained import (
+    after_reasoning,
+    auto_calls,
+    call_or_answer,
+    named_spec,
+    required_spec,
+)
 from nanoserve.server.tools.output import OutputPlan
 
 CHATML = "<|im_start|>"
 
 
+@dataclass(frozen=True, slots=True)
+class AutoCalls:
+    """Under "auto": the calls the parser reads, as Lark rules (constrained.auto_calls).
+    Not a constraint by itself (the model may answer in free text); one side of the
+    alternation when the request also has a response format (`constraint_with`)."""
+
+    rules: str
+
+
 def plan_tools(req: Any, agents: AgentSettings, template: str, template_reads_tools: bool
-               ) -> tuple[OutputPlan | None, list[dict[str, Any]] | None, GuidedSpec | None]:
-    """(how the output is read, the tools the template renders, the constraint they add);
-    (None, None, None) where the request has no tools and the server no reasoning parser."""
+               ) -> tuple[OutputPlan | None, list[dict[str, Any]] | None,
+                          GuidedSpec | AutoCalls | None]:
+    """(how the output is read, the tools the template renders, the constraint they add:
+    a forced call's, or under "auto" the calls' rules); (None, None, None) where the
+    request has no tools and the server no reasoning parser."""
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
     for i, t in enumerate(tools):
         _check_schema(t["function"].get("parameters"), f"tools[{i}].function.parameters")
@@ -45,19 +69,24 @@ def plan_tools(req: Any, agents: AgentSettings, template: str, template_reads_to
     if mode == "auto":
         parser = agents.tool_call_parser or ("hermes" if CHATML in template else None)
         if not agents.enable_auto_tool_choice or parser is None:
+            needs = [f for f, missing in (("--enable-auto-tool-choice",
+                                           not agents.enable_auto_tool_choice),
+                                          ("--tool-call-parser", parser is None)) if missing]
             raise bad_request("tool_choice", '"auto" tool choice requires the server to be '
-                              "started with --enable-auto-tool-choice"
-                              + ("" if parser else " and --tool-call-parser"))
+                              f"started with {' and '.join(needs)}")
     if tools and mode != "none" and not template_reads_tools:
         raise bad_request("tools", "this model's chat template does not render tools; start "
                           "the server with --chat-template chatml-tools (or a template that "
                           "reads `tools`)")
-    spec = None
-    if mode == "named":
+    spec: GuidedSpec | AutoCalls | None = None
+    parallel = req.parallel_tool_calls is not False
+    if mode == "auto" and tools and parser is not None:
+        spec = AutoCalls(auto_calls(tools, parser, parallel))
+    elif mode == "named":
         spec = named_spec(next(t for t in tools if t["function"]["name"] == name))
     elif mode == "required":
-        spec = required_spec(tools, req.parallel_tool_calls is not False)
-    if spec is not None and agents.reasoning_parser is not None:
+        spec = required_spec(tools, parallel)
+    if isinstance(spec, GuidedSpec) and agents.reasoning_parser is not None:
         spec = after_reasoning(spec, agents.reasoning_parser == "deepseek_r1")
     plan = OutputPlan(mode, parser, name, agents.reasoning_parser)
     return plan, tools or None, spec
@@ -90,13 +119,20 @@ def _check_schema(schema: Any, field: str) -> None:
                           f"{f' at {where}' if where else ''}: {exc.message}") from None
 
 
-def constraint_with(spec: GuidedSpec | None, other: GuidedSpec | None, agents: AgentSettings
-                    ) -> GuidedSpec | None:
-    """The request's one constraint: the tools' or the response format's (both is a 400),
-    the latter also only after the thinking under a reasoning parser."""
-    if spec is not None and other is not None:
-        raise bad_request(other.field, f"{other.field} cannot be combined with tool_choice "
-                          "required or a named function (one constraint per request)")
-    if other is not None and agents.reasoning_parser is not None:
+def constraint_with(spec: GuidedSpec | AutoCalls | None, other: GuidedSpec | None,
+                    agents: AgentSettings) -> GuidedSpec | None:
+    """The request's one constraint, from the tools' (`spec`) and the response format's
+    (`other`), as OpenAI composes them: a forced call's alone (it has no text answer; the
+    format is checked all the same), "a call, or text in the format" under "auto", else
+    the format's; the latter two only after the thinking under a reasoning parser."""
+    if isinstance(spec, GuidedSpec):
+        if other is not None and other.kind == "json":
+            _check_schema(json.loads(other.source), other.field)
+        return spec
+    if other is None:
+        return None
+    if isinstance(spec, AutoCalls):
+        other = call_or_answer(spec.rules, other)
+    if agents.reasoning_parser is not None:
         return after_reasoning(other, agents.reasoning_parser == "deepseek_r1")
-    return spec or other
+    return other
