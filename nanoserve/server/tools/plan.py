@@ -45,11 +45,14 @@ CHATML = "<|im_start|>"
 
 @dataclass(frozen=True, slots=True)
 class AutoCalls:
-    """Under "auto": the calls the parser reads, as Lark rules (constrained.auto_calls).
-    Not a constraint by itself (the model may answer in free text); one side of the
-    alternation when the request also has a response format (`constraint_with`)."""
+    """Under "auto": the calls the parser reads. Not a constraint by itself (the model may
+    answer in free text); one side of the alternation when the request also has a response
+    format (`constraint_with`), whose rules are written only then (constrained.auto_calls:
+    its size grows with the tools')."""
 
-    rules: str
+    tools: Sequence[dict[str, Any]]
+    parser: str
+    parallel: bool
 
 
 def plan_tools(req: Any, agents: AgentSettings, template: str, template_reads_tools: bool
@@ -81,7 +84,7 @@ def plan_tools(req: Any, agents: AgentSettings, template: str, template_reads_to
     spec: GuidedSpec | AutoCalls | None = None
     parallel = req.parallel_tool_calls is not False
     if mode == "auto" and tools and parser is not None:
-        spec = AutoCalls(auto_calls(tools, parser, parallel))
+        spec = AutoCalls(tools, parser, parallel)
     elif mode == "named":
         spec = named_spec(next(t for t in tools if t["function"]["name"] == name))
     elif mode == "required":
@@ -132,7 +135,7 @@ def constraint_with(spec: GuidedSpec | AutoCalls | None, other: GuidedSpec | Non
     if other is None:
         return None
     if isinstance(spec, AutoCalls):
-        other = call_or_answer(spec.rules, other)
+        other = call_or_answer(auto_calls(spec.tools, spec.parser, spec.parallel), other)
     if agents.reasoning_parser is not None:
         return after_reasoning(other, agents.reasoning_parser == "deepseek_r1")
     return other
