@@ -37,7 +37,9 @@
 // The vectors are the build's native width (vec.h: one library per instruction set): 16
 // floats on AVX-512, 8 on AVX2, so a block is 2 or 4 vectors, and the tiles are shaped for
 // each register file (32 zmm registers, or 16 ymm). On AVX-512 the arithmetic, and so every
-// bit, is what this file computed before it had an AVX2 path.
+// bit, is what this file computed before it had an AVX2 path. One exception to "only the
+// order of additions differs": AVX2's one-row kernel for Q4_0 and Q4_K (row_factored)
+// multiplies each unit's scale and offset once into sums, not into every weight.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -357,9 +359,11 @@ struct OneUnit {
   NS_INLINE static NoScales scales(const uint8_t*) { return {}; }
 };
 
-// Each format: kBytes per block of kUnits * 32 weights; dequant(block, u, w) gives unit u's
-// 32 weights as kPer vectors (u is 0 where a block is one unit). The dot loops run u as a
-// constant (unrolled), so a K-quant's branches on it and its shared d go away.
+// Each format: kBytes per block of kUnits * 32 weights; scales(block) takes out what its
+// units share, once, and dequant(block, u, scales, w) gives unit u's 32 weights as kPer
+// vectors (u is 0 where a block is one unit). The dot loops run u as a constant (unrolled),
+// so a K-quant's branches on it go away. On AVX2, Q4_0 and Q4_K also give a unit's raw
+// quants and its scale and offset (quants, affine) for the one-row kernel, row_factored.
 struct Q4_0 : OneUnit {
   static constexpr int64_t kBytes = 18, kUnits = 1;
   NS_INLINE static void dequant(const uint8_t* b, int, NoScales, vf (&w)[kPer]) {
