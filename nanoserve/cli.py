@@ -10,6 +10,7 @@ import sys
 from nanoserve import bench, flags
 from nanoserve.config import ConfigError
 from nanoserve.model.base import ModelStartError
+from nanoserve.model.hub import hub_name
 
 
 def _generate(a: argparse.Namespace) -> int:
@@ -49,12 +50,30 @@ def _check_isa() -> None:
         raise ConfigError(str(exc)) from None
 
 
+def _fold_hub_flags(a: argparse.Namespace) -> None:
+    """--revision and --gguf-file folded into --model's hub id (org/name@rev:file), the one
+    name every layer and tensor-parallel rank resolves (model/hub.py). The served name stays
+    --model as given, as vLLM's does under --revision."""
+    revision, gguf_file = getattr(a, "revision", None), getattr(a, "gguf_file", None)
+    if revision is None and gguf_file is None:
+        return
+    if getattr(a, "served_model_name", "") is None:
+        a.served_model_name = a.model
+    try:
+        a.model = hub_name(a.model, revision, gguf_file)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = flags.Parser(prog="nanoserve")
     sub = p.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="complete one prompt offline and print the text")
     g.add_argument("prompt")
-    g.add_argument("--model", default="smollm2")
+    g.add_argument("--model", default="smollm2", help="as serve's: a name, a path, or a "
+                   "Hugging Face hub id (org/name, org/name:Q4_K_M, org/name@revision)")
+    g.add_argument("--revision", default=None, help="the hub id's branch, tag or commit")
+    g.add_argument("--gguf-file", default=None, metavar="NAME", help="the hub id's GGUF file")
     g.add_argument("--max-tokens", type=flags.positive_int, default=64)
     g.add_argument("--temperature", type=flags.non_negative_float, default=0.0)
     g.add_argument("--seed", type=flags.seed, default=0)
@@ -72,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=getattr(logging, level), format=fmt)
     try:
         _check_isa()
+        _fold_hub_flags(a)
         if a.cmd == "generate":
             return _generate(a)
         if a.cmd == "bench":

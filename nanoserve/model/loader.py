@@ -8,7 +8,9 @@ weights (model.safetensors) only when something first needs them (ensure_float_w
 `--quantization none`, or a CPU whose kernels do not pay), so that a server running the
 file's own blocks never dequantizes it (Gemma 3 270M: 39 s and 1.1 GB saved) and every
 later float32 start reads plain safetensors in about a second. Reading a GGUF's tensors
-and metadata is model/gguf.py's.
+and metadata is model/gguf.py's. A Hugging Face Hub id (org/name, org/name:Q4_K_M) is one
+more kind of name: model/hub.py resolves it to a snapshot folder or a .gguf file, and from
+there it is a folder or a GGUF like any other.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from nanoserve.model.gguf import (
     read_gguf_weights,
     write_tokenizer,
 )
+from nanoserve.model.hub import parse_hub_id, resolve
 
 log = logging.getLogger(__name__)
 
@@ -89,24 +92,29 @@ def file_sha256(path: str | Path) -> str:
 
 
 def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> Path:
-    """An embedded model's name, a .gguf file, or a Hugging Face folder -> a Hugging Face
-    folder."""
+    """An embedded model's name, a .gguf file, a Hugging Face folder, or a hub id (org/name,
+    fetched or found in the Hugging Face cache) -> a Hugging Face folder."""
     if name_or_path in EMBEDDED:
         return _cached_conversion(embedded_path(name_or_path), cache_root(cache_dir))
-    path = Path(name_or_path).expanduser()
+    hub = parse_hub_id(name_or_path)
+    path = resolve(hub) if hub is not None else Path(name_or_path).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return _cached_conversion(path, cache_root(cache_dir))
     if path.is_dir():
-        missing = [n for n in ("config.json", "tokenizer.json") if not (path / n).exists()]
-        if not any(path.glob("*.safetensors")):
-            missing.append("*.safetensors")
-        if missing:
-            raise FileNotFoundError(f"model folder {path} lacks {', '.join(missing)}")
-        return path
+        return _checked_folder(path)
     raise FileNotFoundError(
         f"model {name_or_path!r} is none of {', '.join(map(repr, EMBEDDED))} (embedded), a "
         ".gguf file, or a folder with config.json, *.safetensors and tokenizer.json"
-    )
+    )  # (nor a hub id, org/name, which parse_hub_id would have taken: --help names it)
+
+
+def _checked_folder(path: Path) -> Path:
+    missing = [n for n in ("config.json", "tokenizer.json") if not (path / n).exists()]
+    if not any(path.glob("*.safetensors")):
+        missing.append("*.safetensors")
+    if missing:
+        raise FileNotFoundError(f"model folder {path} lacks {', '.join(missing)}")
+    return path
 
 
 def _cached_conversion(gguf_path: Path, root: Path) -> Path:
@@ -200,7 +208,8 @@ def gguf_path(name_or_path: str) -> Path | None:
     """The GGUF file behind a model name, or None for a Hugging Face folder."""
     if name_or_path in EMBEDDED:
         return embedded_path(name_or_path)
-    path = Path(name_or_path).expanduser()
+    hub = parse_hub_id(name_or_path)
+    path = resolve(hub) if hub is not None else Path(name_or_path).expanduser()
     return path if path.is_file() and path.suffix == ".gguf" else None
 
 
@@ -212,16 +221,16 @@ def load_model_config(folder: Path) -> ModelConfig:
 def peek_config(name_or_path: str) -> ModelConfig:
     """The model's shape without its weights: a folder's config.json, or a GGUF file's own
     metadata, read in place (no conversion), so a configuration can be checked before
-    anything slow happens."""
+    anything slow happens (a hub id's folder: its config.json alone is fetched)."""
     if name_or_path in EMBEDDED:
         gguf_path = embedded_path(name_or_path)
     else:
-        path = Path(name_or_path).expanduser()
+        hub = parse_hub_id(name_or_path)
+        path = resolve(hub, "config") if hub is not None else Path(name_or_path).expanduser()
         if not (path.is_file() and path.suffix == ".gguf"):
-            return load_model_config(resolve_model(name_or_path))
+            return load_model_config(path if hub is not None else resolve_model(name_or_path))
         gguf_path = path
 
     reader = open_gguf(gguf_path)
     gguf_architecture(reader, gguf_path)
     return model_config(_gguf_config(reader), str(gguf_path))
-

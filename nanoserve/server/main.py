@@ -61,7 +61,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def _model_args(g: argparse._ArgumentGroup) -> None:
     a = g.add_argument
-    a("--model", default="smollm2", help="smollm2, stub, or a path to a Llama folder or GGUF")
+    a("--model", default="smollm2", help="smollm2, stub, a path to a Llama folder or GGUF, or "
+      "a Hugging Face hub id: org/name, org/name:Q4_K_M (that GGUF), org/name@revision "
+      "(its cache, HF_HUB_CACHE and HF_HUB_OFFLINE are huggingface_hub's)")
+    a("--revision", default=None, help="the hub id's branch, tag or commit [main]")
+    a("--gguf-file", default=None, metavar="NAME",
+      help="the hub id's GGUF file, by name (or a quant tag: Q4_K_M)")
     a("--served-model-name", type=flags.non_empty, default=None,
       help="the name clients use (default: --model)")
     a("--device", default="cpu")
