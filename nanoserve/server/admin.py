@@ -23,7 +23,7 @@ from quart import Quart, Response, current_app, request
 from nanoserve.sampling.params import ParamError, check_vocab
 from nanoserve.server import parse
 from nanoserve.server.errors import ApiError, bad_request, from_param_error
-from nanoserve.server.generation import read_json
+from nanoserve.server.generation import read_body, read_json
 from nanoserve.server.protocol import validate
 from nanoserve.server.respond import json_response
 from nanoserve.server.state import current_state, ready
@@ -65,25 +65,32 @@ async def metrics() -> Response:
 async def tokenize() -> Response:
     st = current_state()
     r = ready(st)
-    body = await read_json()
-    parse.check_model(body, st.config.served_model_name)
-    req = validate(r.api.tokenize, body)
-    if req.messages is not None:
-        text = parse.chat_text(req.messages, req.add_generation_prompt, r.tokenizer,
-                               st.config.chat_template, st.now)
-    elif req.prompt is None:
-        raise bad_request("prompt", "prompt (a string) or messages is required", "missing")
-    else:
-        text = req.prompt
-    # vLLM's defaults, which are what generation does: a prompt gets the tokenizer's special
-    # tokens, rendered messages only the template's
-    specials = (req.messages is None if req.add_special_tokens is None
-                else req.add_special_tokens)
-    ids = r.tokenizer.encode(text, add_special_tokens=bool(specials))
-    # The vocabulary's own strings ("Ġis"), as vLLM returns them: a client maps these
-    # back to ids, which decoded text (" is") cannot do.
-    strs = ([r.tokenizer.id_to_token(t) or "" for t in ids] if req.return_token_strs
-            else None)
+    raw = await read_body()
+
+    def work() -> tuple[list[int], list[str] | None]:  # off the event loop (offload.py)
+        body = parse.loads(raw)
+        parse.check_model(body, st.config.served_model_name)
+        req = validate(r.api.tokenize, body)
+        if req.messages is not None:
+            text = parse.chat_text(req.messages, req.add_generation_prompt, r.tokenizer,
+                                   st.config.chat_template, st.now)
+        elif req.prompt is None:
+            raise bad_request("prompt", "prompt (a string) or messages is required",
+                              "missing")
+        else:
+            text = req.prompt
+        # vLLM's defaults, which are what generation does: a prompt gets the tokenizer's
+        # special tokens, rendered messages only the template's
+        specials = (req.messages is None if req.add_special_tokens is None
+                    else req.add_special_tokens)
+        ids = r.tokenizer.encode(text, add_special_tokens=bool(specials))
+        # The vocabulary's own strings ("Ġis"), as vLLM returns them: a client maps these
+        # back to ids, which decoded text (" is") cannot do.
+        strs = ([r.tokenizer.id_to_token(t) or "" for t in ids] if req.return_token_strs
+                else None)
+        return ids, strs
+
+    ids, strs = await st.offload.run(work)
     return json_response({"count": len(ids), "max_model_len": r.engine.max_model_len,
                           "tokens": ids, "token_strs": strs})
 

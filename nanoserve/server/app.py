@@ -23,7 +23,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from nanoserve.bridge import BridgeStats, EngineDeadError
-from nanoserve.bridge.clock import Clock
+from nanoserve.bridge.clock import Clock, LiveClock
 from nanoserve.server import admin, generation, openapi, responses_route
 from nanoserve.server.config import ServerConfig
 from nanoserve.server.connection import Connection
@@ -31,6 +31,7 @@ from nanoserve.server.cors import CorsMiddleware
 from nanoserve.server.errors import ApiError, error_object
 from nanoserve.server.lifespan import EngineSource, engine_lifespan
 from nanoserve.server.metrics import Metrics
+from nanoserve.server.offload import Offload
 from nanoserve.server.recording import Recorder
 from nanoserve.server.respond import json_response
 from nanoserve.server.state import ServerState, counter_ids, current_state
@@ -64,7 +65,10 @@ def create_app(
         return st.ready.bridge.statistics() if st.ready else None
 
     st = ServerState(config, Metrics(config.served_model_name, bridge_stats),
-                     id_source or counter_ids(), time_source, recorder=recorder)
+                     id_source or counter_ids(), time_source, recorder=recorder,
+                     # Threads only where steps take real time (offload.py says why).
+                     offload=Offload(config.request_threads
+                                     if isinstance(clock, LiveClock) else None))
     app.extensions["nanoserve"] = st
 
     engine_lifespan(app, st, engine, clock, on_fatal)

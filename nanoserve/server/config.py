@@ -32,6 +32,38 @@ class AgentSettings:
     reasoning_parser: str | None = None
 
 
+# A token of a real tokenizer spells about four characters of English; eight allows for
+# code and whitespace runs. A prompt with more characters than this per token of context
+# cannot fit, and finding that out by tokenizing it costs seconds for a megabyte.
+CHARS_PER_TOKEN = 8
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """Bounds on the work one request may ask of the server before its first token, checked
+    before that work starts, each a 400 naming the field and the limit (server/limits.py).
+    The work itself runs off the event loop (server/offload.py); these keep it short.
+
+    `max_tools`: OpenAI's documented maximum of tools per request. `max_prompt_chars`: the
+    prompt's text (a completion's prompt, a chat's message contents) measured before the
+    template and the tokenizer run; `max_template_chars`: the chat template's output, tools
+    included, before it is tokenized. None: CHARS_PER_TOKEN times the model's context."""
+
+    max_tools: int = 128
+    max_prompt_chars: int | None = None
+    max_template_chars: int | None = None
+
+    def prompt_chars(self, max_model_len: int) -> int:
+        return _or_context(self.max_prompt_chars, max_model_len)
+
+    def template_chars(self, max_model_len: int) -> int:
+        return _or_context(self.max_template_chars, max_model_len)
+
+
+def _or_context(limit: int | None, max_model_len: int) -> int:
+    return limit if limit is not None else CHARS_PER_TOKEN * max_model_len
+
+
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
     served_model_name: str
@@ -44,3 +76,8 @@ class ServerConfig:
     model_root: str | None = None  # what /v1/models reports as the model's source
     cors: CorsPolicy = CorsPolicy()
     agents: AgentSettings = AgentSettings()
+    limits: RequestLimits = RequestLimits()
+    # Worker threads for request-sized work (parsing, templates, tokenizing: offload.py).
+    # Few: the work holds the GIL, so more threads than this only queue for it, and a
+    # flood of heavy bodies must not starve the engine's own step thread.
+    request_threads: int = 2

@@ -24,6 +24,7 @@ from nanoserve.engine.outputs import StepResult
 from nanoserve.model.base import ModelStartError
 from nanoserve.server import recording
 from nanoserve.server.jobs import Registry
+from nanoserve.server.offload import freeze_heap
 from nanoserve.server.protocol import protocol
 from nanoserve.server.state import Ready, ServerState
 from nanoserve.server.token_text import TokenText
@@ -119,6 +120,8 @@ async def _serve_engine(
         api = protocol(st.config.served_model_name, engine.model.config.vocab_size,
                        engine.max_model_len)
         st.ready = Ready(engine, bridge, registry, TokenText(engine.tokenizer), api)
+        if st.offload.threaded:  # real time: a collector's pause is a stall (offload.py)
+            freeze_heap()
         st.loaded.set()
         if isinstance(source, Engine):
             task_status.started()

@@ -26,6 +26,13 @@ from nanoserve.server.body_types import Message
 from nanoserve.server.config import AgentSettings
 from nanoserve.server.constraints import request_constraint
 from nanoserve.server.errors import ApiError, bad_request, from_param_error
+from nanoserve.server.limits import (
+    Caps,
+    check_prompt_chars,
+    check_template_chars,
+    check_tools,
+    message_chars,
+)
 from nanoserve.server.nesting import MAX_DEPTH, deep_field, too_deep
 from nanoserve.server.protocol import Protocol, validate
 from nanoserve.server.tools.output import OutputPlan
@@ -143,13 +150,19 @@ def _checked(body: Mapping[str, Any], model: type[BaseModel], served: str,
     return validate(model, body)
 
 
-def completion(body: Mapping[str, Any], api: Protocol) -> GenerateRequest:
+def completion(body: Mapping[str, Any], api: Protocol, caps: Caps | None = None
+               ) -> GenerateRequest:
+    """`caps`: the size limits (limits.py); None checks none (an offline workload)."""
     req = _checked(body, api.completion, api.served, _COMPLETION_REFUSED)
     prompt = req.prompt
     prompts: tuple[Prompt, ...] = (
         (prompt,) if isinstance(prompt, str)
         else (prompt,) if isinstance(prompt[0], int)
         else tuple(prompt))
+    for i, p in enumerate(prompts):  # each is tokenized on its own, and must fit alone
+        if isinstance(p, str):
+            check_prompt_chars("prompt" if isinstance(prompt, str) else f"prompt[{i}]",
+                               len(p), caps)
     if req.best_of is not None and req.best_of != (req.n or 1):
         raise bad_request("best_of", "best_of other than n is not supported")
     fields = _sampling_fields(req)
@@ -169,14 +182,19 @@ def completion(body: Mapping[str, Any], api: Protocol) -> GenerateRequest:
 def chat(
     body: Mapping[str, Any], api: Protocol, tokenizer: Tokenizer, template: str | None,
     now: Callable[[], float] = time.time, agents: AgentSettings = NO_AGENTS,
+    caps: Caps | None = None,
 ) -> GenerateRequest:
+    """`caps`: the size limits (limits.py), each checked before the work it bounds."""
+    check_tools(body, caps)
     req = _checked(body, api.chat, api.served)
     _require_template(tokenizer, template)
     _check_tool_messages(req.messages)
+    check_prompt_chars("messages", message_chars(req.messages), caps)
     source = template or tokenizer.chat_template or ""
     output, tools, tool_spec = plan_tools(req, agents, source,
                                           tokenizer.template_reads("tools", template))
     text = chat_text(req.messages, req.add_generation_prompt, tokenizer, template, now, tools)
+    check_template_chars(text, caps)
     fields = _sampling_fields(req)
     guided = constraint_with(tool_spec, fields.pop("guided", None), agents)
     if guided is not None:

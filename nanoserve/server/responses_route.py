@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncGenerator
+from typing import Any
 
 from quart import Quart, Response, current_app
 
+from nanoserve.engine.admission import Prepared
 from nanoserve.server import parse, recording
 from nanoserve.server.errors import ApiError
-from nanoserve.server.generation import prepare_all, read_json, request_core_id
+from nanoserve.server.generation import caps, prepare_all, read_body, request_core_id
 from nanoserve.server.jobs import Ended, Item, Job
 from nanoserve.server.respond import SseBody, failure, json_response
 from nanoserve.server.responses_api import request_echo, responses_error, to_chat_body
@@ -31,17 +33,23 @@ def register(app: Quart) -> None:
     async def responses() -> Response:
         st = current_state()
         r = ready(st)
-        body = await read_json()
-        chat = to_chat_body(body)
-        try:
-            req = parse.chat(chat, r.api, r.tokenizer, st.config.chat_template, st.now,
-                             st.config.agents)
-            prepared = prepare_all(r, req)
-        except ApiError as exc:  # named as the Responses request spells the field
-            raise responses_error(exc) from None
+        raw, limits = await read_body(), caps(st, r)
+
+        # Parsed, translated, templated and tokenized off the event loop (offload.py).
+        def work() -> tuple[parse.GenerateRequest, list[Prepared], dict[str, Any]]:
+            body = parse.loads(raw)
+            chat = to_chat_body(body)
+            try:
+                req = parse.chat(chat, r.api, r.tokenizer, st.config.chat_template, st.now,
+                                 st.config.agents, limits)
+                prepared = prepare_all(r, req)
+            except ApiError as exc:  # named as the Responses request spells the field
+                raise responses_error(exc) from None
+            return req, prepared, request_echo(body)
+
+        req, prepared, echo = await st.offload.run(work)
         rid = f"resp_{request_core_id(st)}"
-        renderer = ResponseRenderer(rid, st.config.served_model_name, int(st.now()),
-                                    request_echo(body))
+        renderer = ResponseRenderer(rid, st.config.served_model_name, int(st.now()), echo)
         out = (req.output or OutputPlan()).start(rid, 0)
         job = r.registry.open(rid, prepared, current_app.nursery)  # type: ignore[attr-defined]
         recording.link(job)

@@ -15,6 +15,7 @@ from nanoserve.server.config import ServerConfig
 from nanoserve.server.errors import ApiError
 from nanoserve.server.jobs import Registry
 from nanoserve.server.metrics import Metrics
+from nanoserve.server.offload import Offload
 from nanoserve.server.protocol import Protocol
 from nanoserve.server.recording import Recorder
 from nanoserve.server.token_text import TokenText
@@ -53,6 +54,8 @@ class ServerState:
     load_error: str | None = None
     draining: bool = False
     recorder: Recorder | None = None  # serve --record (server.recording)
+    # Where request-sized work runs: threads on the live clock, inline on a replay's.
+    offload: Offload = field(default_factory=lambda: Offload(None))
 
 
 def current_state() -> ServerState:

@@ -1,0 +1,133 @@
+"""No request stalls another (issue 42): a body whose parsing, templating and tokenizing
+take a second runs off the event loop (server/offload.py), so eight streams keep their pace
+and /health answers at once while it is processed, through a real Hypercorn socket. The
+server runs in a process of its own (support/stub_server.py), so the clients' work is not
+counted as its stalls.
+
+This test alone measures time, because the property is one of time: a stream's largest gap
+between frames stays under its median gap plus 100 ms, and /health answers within 100 ms,
+while the heavy body is in flight. On the event loop (before the fix) the same body stalled
+everything for its whole second. The clock only measures gaps; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import statistics
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+
+STREAMS = 8
+# Half a second of validation and tool planning on the test machine, alone; a second and
+# more beside the streams. On the event loop, that long a stall of everything.
+TOOLS = 1_000
+BOUND_S = 60  # a bound on a wait that must end, never a measurement
+SLACK_S = 0.100  # the issue's bound on a stall
+
+
+def tool(i: int) -> dict[str, Any]:
+    return {"type": "function", "function": {
+        "name": f"tool_{i}", "description": f"does thing number {i} with care",
+        "parameters": {"type": "object", "required": ["a"], "properties": {
+            "a": {"type": "string", "description": "the a"}, "b": {"type": "integer"}}}}}
+
+
+HEAVY = {"model": "stub", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+         "tools": [tool(i) for i in range(TOOLS)], "tool_choice": "none"}
+LONG = {"model": "stub", "prompt": "def step(self):", "max_tokens": 3_000, "stream": True,
+        "ignore_eos": True}
+
+
+# One torch thread for the stub's steps: on a two-core test machine torch's intra-op pool
+# spins against the request's worker thread for the same cores, which slows every step
+# (median gap 120 ms instead of 10) whether or not the event loop stalls.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+SERVER = [sys.executable, str(Path(__file__).parents[1] / "support" / "stub_server.py"),
+          str(TOOLS)]
+
+
+async def test_a_heavy_body_stalls_no_stream_and_not_health() -> None:
+    with trio.fail_after(BOUND_S):
+        async with trio.open_nursery() as nursery:
+            proc: trio.Process = await nursery.start(partial(
+                trio.run_process, SERVER, stdout=subprocess.PIPE, check=False, env=ENV))
+            try:
+                assert proc.stdout is not None
+                line = b""
+                while not line.endswith(b"\n"):
+                    chunk = await proc.stdout.receive_some()
+                    assert chunk, "the server exited before it was ready"
+                    line += chunk
+                # The client's own collector pauses are not the server's stalls.
+                gc.collect()
+                gc.disable()
+                try:
+                    await measure(line.decode().strip())
+                finally:
+                    gc.enable()
+            finally:
+                proc.kill()
+
+
+async def measure(url: str) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=BOUND_S) as client:
+        frames: list[list[float]] = [[] for _ in range(STREAMS)]
+        flowing, heavy_done = trio.Event(), trio.Event()
+        health_s: list[float] = []
+        heavy: list[httpx.Response] = []
+
+        async def stream(i: int) -> None:
+            async with client.stream("POST", "/v1/completions", json=LONG) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if not line:
+                        continue
+                    frames[i].append(trio.current_time())
+                    if all(len(f) >= 5 for f in frames):
+                        flowing.set()
+                    if heavy_done.is_set():
+                        return  # this frame's gap spans the heavy request's processing
+            raise AssertionError("a stream ended before the heavy request did")
+
+        async def send_heavy() -> None:
+            heavy.append(await client.post("/v1/chat/completions", json=HEAVY))
+            heavy_done.set()
+
+        async def probe_health() -> None:
+            while not heavy_done.is_set():
+                t0 = trio.current_time()
+                r = await client.get("/health")
+                health_s.append(trio.current_time() - t0)
+                assert r.status_code == 200
+                await trio.sleep(0.01)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(STREAMS):
+                nursery.start_soon(stream, i)
+            await flowing.wait()
+            t0 = trio.current_time()
+            nursery.start_soon(send_heavy)
+            nursery.start_soon(probe_health)
+            await heavy_done.wait()
+            heavy_s = trio.current_time() - t0
+
+    assert heavy[0].status_code == 200, heavy[0].text
+    report = [f"heavy request {heavy_s * 1e3:.0f} ms",
+              f"/health worst {max(health_s) * 1e3:.1f} ms of {len(health_s)}"]
+    worst_over = []
+    for f in frames:
+        gaps = [b - a for a, b in zip(f[1:], f[2:], strict=False)]  # after the first frame
+        median, worst = statistics.median(gaps), max(gaps)
+        report.append(f"gap median {median * 1e3:.1f} ms, worst {worst * 1e3:.1f} ms")
+        worst_over.append(worst - median)
+    print("\n".join(report))
+    assert max(worst_over) < SLACK_S, "\n".join(report)
+    assert max(health_s) < SLACK_S, "\n".join(report)
+    assert len(health_s) >= 3, "too few probes while the body was in flight"

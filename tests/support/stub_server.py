@@ -1,0 +1,36 @@
+"""The stub on the live clock behind a real Hypercorn, in a process of its own, for a test
+whose measure is the server's event loop: a client in the server's process would share its
+event loop and its GIL, and its own work would count as the server's stalls.
+
+`python tests/support/stub_server.py MAX_TOOLS` prints the bound URL on stdout once the
+engine is ready, then serves until it is killed.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `support`, as pytest has it
+
+from nanoserve.bridge.clock import LiveClock  # noqa: E402
+from nanoserve.server import ServerConfig, create_app  # noqa: E402
+from nanoserve.server.config import RequestLimits  # noqa: E402
+from sim.http.loopback import hypercorn_on_loopback  # noqa: E402
+from support.server_harness import make_engine  # noqa: E402
+
+
+async def main(max_tools: int) -> None:
+    # Room for eight long streams: 4096 tokens each, in blocks of 16.
+    engine = make_engine(max_model_len=4096, num_blocks=2048)
+    app = create_app(engine, ServerConfig("stub", limits=RequestLimits(max_tools=max_tools)),
+                     clock=LiveClock())
+    async with hypercorn_on_loopback(app) as url:
+        print(url, flush=True)
+        await trio.sleep_forever()
+
+
+if __name__ == "__main__":
+    trio.run(main, int(sys.argv[1]))
