@@ -42,6 +42,14 @@ def check_flags(a: argparse.Namespace) -> None:
                           "quantize (auto or none)")
 
 
+def _is_file(path: Path) -> bool:
+    """Whether `path` names a file; False where it cannot be a path at all (a template
+    given inline, as a recorded trace holds it, is longer than a file name may be)."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
+
 
 def chat_template(value: str | None) -> str | None:
     """The template `--chat-template` names: a built-in one (BUILTIN_TEMPLATES), a file
@@ -54,7 +62,8 @@ def chat_template(value: str | None) -> str | None:
         return "".join((_TEMPLATES / name).read_text(encoding="utf-8")
                        for name in BUILTIN_TEMPLATES[value])
     path = Path(value)
-    if path.is_file() or not any(c in value for c in _JINJA_CHARS):
+    inline = any(c in value for c in _JINJA_CHARS)
+    if not inline or _is_file(path):
         try:
             text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
