@@ -11,9 +11,9 @@ setup:
 serve *args: setup
     {{py}} -m nanoserve.cli serve {{args}}
 
-# The whole test suite (it builds GuideLLM's and the router's interpreters first, for
-# tests/server/test_guidellm.py and tests/server/test_fleet.py).
-test *args: setup guidellm-setup router-setup
+# The whole test suite (it builds GuideLLM's, the router's and the agent frameworks'
+# interpreters first, for tests/server/test_guidellm.py, test_fleet.py and test_frameworks.py).
+test *args: setup guidellm-setup router-setup agents-setup
     {{py}} -m pytest -q -p no:cacheprovider {{args}}
 
 # ruff, mypy and the layering contracts (import-linter, pyproject.toml), all clean.
@@ -71,6 +71,17 @@ router-setup: setup
     [ -x .venv/router/bin/python ] || .venv/bin/python -m venv .venv/router
     .venv/router/bin/python -c 'import importlib.metadata as m, sys; sys.exit(m.version("sglang-router") != "0.3.2")' 2>/dev/null \
       || .venv/router/bin/python -m pip install -q --disable-pip-version-check sglang-router==0.3.2
+
+# The agent frameworks of tests/server/test_frameworks.py at the versions tests/frameworks/
+# pins: .venv/agents (nanoserve's packages through a .pth file, plus openai-agents,
+# langchain-openai with LangGraph, LiteLLM and Pydantic AI) and .venv/instructor (Instructor
+# needs openai<3: its own interpreter with its own copies). Only the clients run there.
+agents-setup: setup
+    [ -x .venv/agents/bin/python ] || .venv/bin/python -m venv .venv/agents
+    .venv/bin/python -c 'import site; print(site.getsitepackages()[0])' > "$(.venv/agents/bin/python -c 'import site; print(site.getsitepackages()[0])')/nanoserve-venv.pth"
+    .venv/agents/bin/python -m pip install -q --disable-pip-version-check -r tests/frameworks/agents.txt
+    [ -x .venv/instructor/bin/python ] || .venv/bin/python -m venv .venv/instructor
+    .venv/instructor/bin/python -m pip install -q --disable-pip-version-check -r tests/frameworks/instructor.txt
 
 # N `nanoserve serve` replicas behind sglang-router on one front URL, until Ctrl-C (flags:
 # --port, --policy cache_aware|round_robin|..., --log-dir; the rest go to every replica,
