@@ -149,10 +149,12 @@ async def test_soak_finds_a_unary_twin_that_ignores_its_seed(
 ) -> None:
     real = openai_routes._generate
 
-    async def unseeded_unary(st: Any, r: Any, kind: str, req: Any, prefixes: Any) -> Any:
-        if not req.stream:
-            req = dataclasses.replace(req, params=dataclasses.replace(req.params, seed=None))
-        return await real(st, r, kind, req, prefixes)
+    async def unseeded_unary(st: Any, r: Any, kind: str, req: Any, prepared: Any,
+                             prefixes: Any) -> Any:
+        if not req.stream:  # the prepared requests carry the params the engine runs
+            prepared = [dataclasses.replace(p, params=dataclasses.replace(p.params, seed=None))
+                        for p in prepared]
+        return await real(st, r, kind, req, prepared, prefixes)
 
     monkeypatch.setattr(openai_routes, "_generate", unseeded_unary)
     result = await run_soak(SoakConfig(clients=20, seed=0, warmup=2))
