@@ -8,11 +8,11 @@ Absolute figures on a shared CPU drift with whatever else runs, so every figure 
 a yardstick measured in the same process: the compute throughput against a 2048 x 2048
 float32 `torch.mm` (the fraction of that peak the whole run sustains, counting 2 FLOP per
 weight per computed token, prompt and output), and batch-1 decode against the
-memory-bandwidth bound (every weight read once per token, at the bandwidth of a large
-tensor copy, measured right before it). The mm is timed before and after the run and the
-faster taken: one timing in a slow minute once came out at half speed, which made the run
-look twice as good. `--pack off` runs the same workload without pre-packed weights, for an
-old-versus-new comparison.
+memory-bandwidth bound (every weight read once per token, at the speed the kernels' own
+threads read a buffer of the weights' size, measured right after it). The mm is timed
+before and after the run and the faster taken: one timing in a slow minute once came out
+at half speed, which made the run look twice as good. `--pack off` runs the same workload
+without pre-packed weights, for an old-versus-new comparison.
 
 Two more lines measure what llama.cpp's benchmarks measure, for a side by side on the same
 terms (sim/bench/llamacpp.py): batch-1 decode (`llama-bench -n`), and 16 sequences of
@@ -356,8 +356,8 @@ def _single_line(model: Model, tok: Tokenizer, prompt: list[int], tokens: int) -
     # The bound: the weights' size read once. Read where weights of that size live (a
     # model smaller than the last-level cache is read from it, at more than DRAM's speed),
     # and, for the record, from DRAM (four times the cache) and by a copy (read + write).
-    # The decode first: run after the yardsticks' 350 MB of fresh pages, the same decode
-    # measured 5-15% slower on SmolLM2 (alternating runs, same process otherwise).
+    # The decode first: run after the yardsticks' 350 MB of fresh pages, SmolLM2's decode
+    # came out at 149 and 156 tok/s where runs without them gave 158-161.
     single = single_stream(model, tok, prompt, tokens)
     read = read_bandwidth(weight_bytes, kernels)
     dram = read_bandwidth(max(4 * last_level_cache_bytes(), 256 << 20), kernels)
