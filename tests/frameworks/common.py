@@ -15,7 +15,6 @@ import asyncio
 import inspect
 import json
 import sys
-import time
 import traceback
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -74,14 +73,13 @@ Case = Callable[[str], Awaitable[dict[str, Any]] | dict[str, Any]]
 
 def run(cases: dict[str, Case]) -> None:
     """`python SCRIPT BASE_URL [CASE...]`: each case against the server at BASE_URL (…/v1),
-    one JSON line each on stdout: {"case", "ok", "seconds", "detail" or "error"}. All in one
+    one JSON line each on stdout: {"case", "ok", "detail" or "error"}. All in one
     event loop, so async clients outlive no loop of theirs."""
     asyncio.run(_run(cases, sys.argv[1], sys.argv[2:] or list(cases)))
 
 
 async def _run(cases: dict[str, Case], base_url: str, wanted: list[str]) -> None:
     for name in wanted:
-        start = time.perf_counter()
         try:
             got = cases[name](base_url)
             if inspect.isawaitable(got):
@@ -90,5 +88,15 @@ async def _run(cases: dict[str, Case], base_url: str, wanted: list[str]) -> None
         except Exception as e:  # every failure is reported, not raised
             line = {"case": name, "ok": False, "error": f"{type(e).__name__}: {e}"[:2000],
                     "traceback": traceback.format_exc()[-4000:]}
-        line["seconds"] = round(time.perf_counter() - start, 2)
         print(json.dumps(line, default=str), flush=True)
+
+
+def run_per_api(cases: dict[str, Callable[[str, str], Any]]) -> None:
+    """`run`, each case once through the framework's Chat Completions model and once through
+    its Responses model: case(base_url, api), named "case[api]"."""
+
+    def on(api: str, case: Callable[[str, str], Any]) -> Case:
+        return lambda base_url: case(base_url, api)
+
+    run({f"{name}[{api}]": on(api, case) for api in ("chat", "responses")
+         for name, case in cases.items()})

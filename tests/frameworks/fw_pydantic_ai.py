@@ -16,7 +16,7 @@ from common import (
     WEATHER_JSON,
     ToolLog,
     Weather,
-    run,
+    run_per_api,
     say,
 )
 from pydantic_ai import Agent, NativeOutput, PromptedOutput, ToolOutput
@@ -103,12 +103,6 @@ async def structured_with_tools(base_url: str, api: str) -> dict[str, Any]:
     return {"calls": log.calls, "output": out.output.model_dump()}
 
 
-def on(api: str, case: Any) -> Any:
-    return lambda base_url: case(base_url, api)
-
-
 if __name__ == "__main__":
-    run({f"{name}[{api}]": on(api, case) for api in ("chat", "responses")
-         for name, case in {"plain": plain, "streamed": streamed, "tool_loop": tool_loop,
-                            "structured": structured,
-                            "structured_with_tools": structured_with_tools}.items()})
+    run_per_api({"plain": plain, "streamed": streamed, "tool_loop": tool_loop,
+                 "structured": structured, "structured_with_tools": structured_with_tools})
