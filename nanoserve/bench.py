@@ -75,7 +75,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=flags.positive_int, default=1,
                    help="shard the weights over N processes (serve's flag) [1]")
     p.add_argument("--int8-activations", action="store_true",
-                   help="8-bit activations in projections of 128+ rows (serve's flag)")
+                   help="8-bit activations in projections of 128+ rows and of one row "
+                   "(serve's flag)")
     p.add_argument("--pack", choices=("auto", "on", "off"), default="auto",
                    help="pre-packed MKL weights (auto: wherever available)")
     p.add_argument("--profile", action="store_true",

@@ -52,7 +52,8 @@ def load(
     (and the process group's timeout); `distributed_heartbeat_timeout`: seconds of silence
     after which a rank is taken as lost (None: parallel/group.py's defaults, 600 and 5).
     `int8_activations` (model/int8.py): the layers' projections of 128 rows or more round
-    their activations to 8 bits, faster and no longer token-identical (CPU, one process)."""
+    their activations to 8 bits, and so do batch-1 steps' projections and LM head
+    (csrc/q8dot.cpp): faster, and no longer token-identical (CPU, one process)."""
     from nanoserve.model.loader import EMBEDDED, resolve_model
     from nanoserve.model.weights import check_choices, llama_weights, torch_dtype
 
@@ -82,6 +83,10 @@ def load(
         from nanoserve.model.int8 import CALIBRATION_TEXT, attach, int8_projections
 
         attach(model, int8_projections(model.layers), tok.encode(CALIBRATION_TEXT))
+        if model.kernels is not None:  # batch-1 steps: csrc/q8dot.cpp
+            from nanoserve.model.native import act8_suffix
+
+            model.use_act8(act8_suffix(model.kernels.isa))
     return model, tok
 
 

@@ -99,6 +99,19 @@ class LlamaModel:
         self.stack = decode_stack_weights(self.layers,
                                           self.native_attention and self.reduce is None)
 
+    def use_act8(self, suffix: str) -> int:
+        """Batch-1 projections (the layers' and the LM head) on 8-bit activations
+        (`--int8-activations`: csrc/q8dot.cpp; `suffix` from native.act8_suffix), in the
+        decode stack too; returns how many projections take it."""
+        projs = [self.lm_head, *(p for ly in self.layers
+                                 for p in (ly.qkv, ly.o, ly.gate_up, ly.down))]
+        quant = [p for p in projs if isinstance(p, QuantProj)]
+        for p in quant:
+            p.act8 = suffix
+        self.stack = decode_stack_weights(self.layers,
+                                          self.native_attention and self.reduce is None)
+        return len(quant) if suffix else 0
+
     @classmethod
     def from_folder(
         cls, folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,

@@ -71,7 +71,7 @@ log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = (_CSRC / "attention.cpp", _CSRC / "layers.cpp", _CSRC / "quant.cpp",
-            _CSRC / "panels.cpp", _CSRC / "stack.cpp")
+            _CSRC / "panels.cpp", _CSRC / "stack.cpp", _CSRC / "q8dot.cpp")
 _HEADERS = (_CSRC / "vec.h", _CSRC / "kernels.h")
 STALE_AFTER_S = 30 * 86400
 
@@ -90,6 +90,21 @@ _NEEDS = {
     "avx2": frozenset({"avx2", "fma", "f16c"}),
     "generic": frozenset(),
 }
+
+# The flag that gives each build's 8-bit-activation kernels (csrc/q8dot.cpp) their one-
+# instruction dot product, vpdpbusd: AVX512-VNNI (with VL) in the avx512 build, AVX-VNNI in
+# the avx2 build (its VEX form). Both use the register state the build's own set needs.
+_VNNI = {"avx512": "avx512_vnni", "avx2": "avx_vnni"}
+
+
+def act8_suffix(isa: str, flags: frozenset[str] | None = None) -> str:
+    """The format suffix that sends one row of x to `isa`'s 8-bit-activation kernels (see
+    csrc/quant.cpp's quant_linear): "+q8v" where the CPU has VNNI for that build, "+q8" (AVX2's
+    vpmaddubsw, the same sums) where not, "" for the generic build, which has none."""
+    if isa not in _VNNI:
+        return ""
+    return "+q8v" if _VNNI[isa] in (cpu_flags() if flags is None else flags) else "+q8"
+
 
 # The measured choice under `auto`: the file beside the libraries, how much faster a
 # narrower set must be to be taken over a wider one, and the measurement's size.

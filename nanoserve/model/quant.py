@@ -229,10 +229,12 @@ class QuantProj:
     DENSE_FROM_ROWS rows, the whole weight dequantized into `scratch` for MKL's sgemm from
     there. Either way the weights are the same values; only the order of additions differs.
     `int8` (model/int8.py, opt-in) takes over from INT8_FROM_ROWS rows, and the panels
-    (model/panels.py, `with_panels`) at the row counts of `panel_rows` below that."""
+    (model/panels.py, `with_panels`) at the row counts of `panel_rows` below that. `act8`
+    ("+q8" or "+q8v", opt-in, model/int8.py) sends one row of x to the kernels' 8-bit
+    activations (csrc/q8dot.cpp) in the formats they have."""
 
     __slots__ = ("weight", "scratch", "ops", "dense_from", "kernels", "int8", "pieces",
-                 "panels", "panel_rows")
+                 "panels", "panel_rows", "act8")
 
     def __init__(self, weight: QuantWeight, scratch: Scratch | None = None,
                  kernels: Kernels | None = None) -> None:
@@ -246,6 +248,7 @@ class QuantProj:
         self.pieces = weight.pieces()  # once, not on every call of a decode step
         self.panels: tuple[Panels, ...] = ()  # one per piece, or none
         self.panel_rows = range(0)
+        self.act8 = ""
 
     def with_panels(self) -> QuantProj:
         """This projection on panels at the rows of PANEL_ROWS, where its instruction set
@@ -280,5 +283,5 @@ class QuantProj:
         # A mixed weight: each part's kernel writes its own columns of the one output (the
         # kernel takes the output's row stride), the same values as that part alone.
         for r, p in self.pieces:
-            self.ops.quant_linear(x, p.blocks, p.format, out[:, r: r + p.rows])
+            self.ops.quant_linear(x, p.blocks, p.format + self.act8, out[:, r: r + p.rows])
         return out

@@ -75,8 +75,9 @@ def _model_args(g: argparse._ArgumentGroup) -> None:
       help="auto: a GGUF's own Q4_0/Q4_1/Q8_0 blocks; none: float32; q8_0/q4_0/q4_1: that "
       "format for every matrix [auto]")
     a("--int8-activations", action="store_true",
-      help="round activations to 8 bits in projections of 128+ rows (prefill): faster, "
-      "not token-identical to the default (scripts/int8_kl.py measures how far)")
+      help="round activations to 8 bits in projections of 128+ rows (prefill) and of one "
+      "row (batch-1 decode): faster, not token-identical to the default "
+      "(scripts/int8_kl.py measures how far)")
     a("--tensor-parallel-size", "-tp", type=flags.positive_int, default=1,
       help="shard the weights over N processes (torch.distributed) [1]")
     a("--distributed-backend", default="auto", choices=BACKENDS,

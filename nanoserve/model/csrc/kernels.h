@@ -35,6 +35,11 @@ void quant_linear(const at::Tensor& x, const at::Tensor& blocks, const std::stri
                   const at::Tensor& out);
 void dequantize(const at::Tensor& blocks, const std::string& format, const at::Tensor& out);
 
+// q8dot.cpp: one row of x rounded to int8 against a weight's blocks (`--int8-activations`)
+bool q8_format(const std::string& format);
+void q8_gemv(const at::Tensor& x, const at::Tensor& blocks, const std::string& format,
+             bool vnni, const at::Tensor& out);
+
 // panels.cpp
 void panel_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
                   const std::optional<at::Tensor>& offsets, const at::Tensor& out);

@@ -275,22 +275,9 @@ struct KScales {
   alignas(64) float v[16];
 };
 
-// The 6-bit scales and mins of the eight units, as scales of units 0-7 in bytes 0-7 and
-// their mins in bytes 8-15, from the 12 packed bytes: units 0-3 in the low 6 bits of bytes
-// u and u + 4; units 4-7 four bits from byte u + 4 (low half the scale, high half the min)
-// and two from the top of bytes u - 4 and u. Four bytes at a time.
-NS_INLINE void unpack_scales(const uint8_t* s, uint8_t (&out)[16]) {
-  uint32_t w[3];
-  std::memcpy(w, s, 12);
-  const uint32_t packed[4] = {
-      w[0] & 0x3f3f3f3fu, (w[2] & 0x0f0f0f0fu) | ((w[0] >> 2) & 0x30303030u),
-      w[1] & 0x3f3f3f3fu, ((w[2] >> 4) & 0x0f0f0f0fu) | ((w[1] >> 2) & 0x30303030u)};
-  std::memcpy(out, packed, 16);
-}
-
 NS_INLINE KScales k_scales(const uint8_t* b) {
   uint8_t sm[16];
-  unpack_scales(b + 4, sm);
+  nanoserve::unpack_k_scales(b + 4, sm);
   const float d = half_to_float(b), dmin = half_to_float(b + 2);
   KScales k;
 #if defined(NANOSERVE_AVX512)
@@ -861,8 +848,16 @@ void check_blocks(const at::Tensor& blocks, int64_t K, const std::string& format
 
 namespace nanoserve {
 
-void quant_linear(const at::Tensor& x, const at::Tensor& blocks, const std::string& format,
+// A format may carry a suffix, "+q8" or "+q8v" (model/int8.py adds it under
+// `--int8-activations`): at one row of x, a format q8dot.cpp has takes its 8-bit-activation
+// kernel ("v": with VNNI's vpdpbusd); other row counts and formats ignore it.
+void quant_linear(const at::Tensor& x, const at::Tensor& blocks, const std::string& spec,
                   const at::Tensor& out) {
+  const size_t plus = spec.find('+');
+  const std::string format = spec.substr(0, plus);
+  const std::string suffix = plus == std::string::npos ? "" : spec.substr(plus);
+  TORCH_CHECK(suffix.empty() || suffix == "+q8" || suffix == "+q8v", "quant: unknown suffix ",
+              suffix, " of ", spec, " (+q8, +q8v)");
   const int64_t K = x.size(1);
   check_blocks(blocks, K, format);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
@@ -870,6 +865,9 @@ void quant_linear(const at::Tensor& x, const at::Tensor& blocks, const std::stri
   TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.stride(1) == 1 &&
                   out.size(0) == x.size(0) && out.size(1) == blocks.size(0),
               "quant_linear: out must be float32 [M, N]");
+  if (!suffix.empty() && x.size(0) == 1 && q8_format(format)) {
+    return q8_gemv(x, blocks, format, suffix == "+q8v", out);
+  }
   with_format(format, [&](auto f) { linear<decltype(f)>(x, blocks, out); });
 }
 

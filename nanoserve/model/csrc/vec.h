@@ -75,6 +75,21 @@ inline __attribute__((always_inline)) vfloat int8_lanes(const int8_t* p) {
 #endif
 }
 
+// The K-quants' (Q4_K, Q5_K) 6-bit scales and mins of a superblock's eight units, as
+// scales of units 0-7 in bytes 0-7 and their mins in bytes 8-15, from the 12 packed bytes:
+// units 0-3 in the low 6 bits of bytes u and u + 4; units 4-7 four bits from byte u + 4 (low
+// half the scale, high half the min) and two from the top of bytes u - 4 and u. Four bytes
+// at a time.
+inline __attribute__((always_inline)) void unpack_k_scales(const uint8_t* s,
+                                                           uint8_t (&out)[16]) {
+  uint32_t w[3];
+  std::memcpy(w, s, 12);
+  const uint32_t packed[4] = {
+      w[0] & 0x3f3f3f3fu, (w[2] & 0x0f0f0f0fu) | ((w[0] >> 2) & 0x30303030u),
+      w[1] & 0x3f3f3f3fu, ((w[2] >> 4) & 0x0f0f0f0fu) | ((w[1] >> 2) & 0x30303030u)};
+  std::memcpy(out, packed, 16);
+}
+
 inline float hsum(vfloat v) {
   float s = 0.0f;
   for (int64_t l = 0; l < kLanes; ++l) s += v[l];

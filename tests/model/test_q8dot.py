@@ -1,0 +1,118 @@
+"""The 8-bit-activation batch-1 kernels (csrc/q8dot.cpp, `--int8-activations`): the one row
+of x rounded to int8 with a scale per 32 values, each weight's quants multiplied by those in
+integer dot products, each unit's offset by the exact float32 sum of x it multiplies.
+
+The reference below computes exactly that in float64 from gguf-py's dequantization: a
+weight w = s q + o splits into its offset o (the same block with every quant zero) and its
+scaled quant w - o; the first multiplies x, the second x's int8 rounding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from support.native_check import ISA_PARAMS, kernels_for
+from test_quant_formats import random_weight
+
+from nanoserve.model import native
+from nanoserve.model.quant import QuantWeight
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="needs the native kernels")
+
+FORMATS = ("q4_0", "q4_1", "q8_0", "q4_k", "q6_k")
+# Each format's quant bytes within a block (the rest are its scales).
+QUANT_BYTES = {"q4_0": slice(2, 18), "q4_1": slice(4, 20), "q8_0": slice(2, 34),
+               "q4_k": slice(16, 144), "q6_k": slice(0, 192)}
+VNNI = {"avx512": "avx512_vnni", "avx2": "avx_vnni"}
+
+
+def _dequant(blocks: np.ndarray, fmt: str, rows: int) -> np.ndarray:
+    out = gguf_dequantize(blocks, GGMLQuantizationType[fmt.upper()])
+    return np.asarray(out, dtype=np.float64).reshape(rows, -1)
+
+
+def round_activations(x: np.ndarray) -> np.ndarray:
+    """x [K] float32 as the kernels round it: per 32, the largest magnitude to 127 (float32
+    arithmetic, ties to even); returns the rounded values times their scale, in float64."""
+    b = x.reshape(-1, 32)
+    amax = np.abs(b).max(axis=1, keepdims=True)
+    dx = amax / np.float32(127)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), np.float32(0))
+    q = np.rint((b * inv.astype(np.float32)).astype(np.float32))
+    assert np.abs(q).max() <= 127
+    return (q.astype(np.float64) * dx.astype(np.float64)).reshape(-1)
+
+
+def expected(w: QuantWeight, x: np.ndarray) -> np.ndarray:
+    blocks = w.blocks.numpy()
+    size = {"q4_0": 18, "q4_1": 20, "q8_0": 34, "q4_k": 144, "q6_k": 210}[w.format]
+    per = blocks.reshape(-1, size).copy()
+    dense = _dequant(blocks, w.format, w.rows)
+    per[:, QUANT_BYTES[w.format]] = 0
+    offset = _dequant(per.reshape(w.rows, -1), w.format, w.rows)
+    xd = x.astype(np.float64)
+    return (dense - offset) @ round_activations(x) + offset @ xd
+
+
+def _run(k: native.Kernels, w: QuantWeight, x: torch.Tensor, suffix: str) -> torch.Tensor:
+    out = torch.empty(1, w.rows)
+    k.ops.quant_linear(x, w.blocks, w.format + suffix, out)
+    return out[0]
+
+
+@pytest.mark.parametrize("isa", ISA_PARAMS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_int8_decode_is_the_integer_dot_of_the_rounded_row(fmt: str, isa: str) -> None:
+    if isa == "generic":
+        pytest.skip("the generic build has no 8-bit kernels (model/int8.py asks none of it)")
+    k = kernels_for(isa)
+    w = random_weight(fmt, 37, 1024, seed=3)
+    x = torch.randn(1, 1024) * torch.linspace(0.1, 3.0, 1024)
+    x[0, :32] = 0.0  # a block of zeros: scale 0, nothing divided by it
+    got = _run(k, w, x, "+q8").double().numpy()
+    want = expected(w, x[0].numpy())
+    scale = np.abs(_dequant(w.blocks.numpy(), fmt, w.rows)) @ np.abs(x[0].numpy())
+    assert np.all(np.abs(got - want) <= 2e-6 * scale + 1e-30), np.abs(got - want).max()
+    # and near the exact float32 path, as 8 bits of x allow
+    exact = _run(k, w, x, "").double().numpy()
+    assert np.all(np.abs(got - exact) <= 0.02 * scale)
+    assert not np.array_equal(got, exact)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_instruction_set_and_vnni_give_the_same_bits(fmt: str) -> None:
+    w = random_weight(fmt, 19, 512, seed=5)
+    x = torch.randn(1, 512)
+    runs = {}
+    for isa in native.supported():
+        if isa == "generic":
+            continue
+        k = kernels_for(isa)
+        runs[isa] = _run(k, w, x, "+q8")
+        if VNNI[isa] in native.cpu_flags():  # forced: the CPU has it
+            runs[isa + "+vnni"] = _run(k, w, x, "+q8v")
+    assert runs, "no instruction set with the 8-bit kernels on this CPU"
+    first = next(iter(runs.values()))
+    for name, out in runs.items():
+        assert torch.equal(out, first), name
+
+
+def test_more_rows_and_other_formats_keep_the_exact_path() -> None:
+    k = kernels_for(native.supported()[0])
+    w = random_weight("q4_0", 8, 256, seed=7)
+    x = torch.randn(3, 256)
+    plain = torch.empty(3, 8)
+    k.ops.quant_linear(x, w.blocks, "q4_0", plain)
+    suffixed = torch.empty(3, 8)
+    k.ops.quant_linear(x, w.blocks, "q4_0+q8", suffixed)
+    assert torch.equal(plain, suffixed)
+    w5 = random_weight("q5_0", 8, 256, seed=7)
+    one = x[:1]
+    a, b = torch.empty(1, 8), torch.empty(1, 8)
+    k.ops.quant_linear(one, w5.blocks, "q5_0", a)
+    k.ops.quant_linear(one, w5.blocks, "q5_0+q8", b)
+    assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="unknown suffix"):
+        k.ops.quant_linear(one, w.blocks, "q4_0+q9", a)
