@@ -17,6 +17,8 @@ from support.native_check import ISA_PARAMS, kernels_for
 from test_quant_formats import random_weight
 
 from nanoserve.model import native
+from nanoserve.model.base import ForwardBatch
+from nanoserve.model.llama import LlamaModel
 from nanoserve.model.quant import QuantWeight
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="needs the native kernels")
@@ -116,3 +118,48 @@ def test_more_rows_and_other_formats_keep_the_exact_path() -> None:
     assert torch.equal(a, b)
     with pytest.raises(RuntimeError, match="unknown suffix"):
         k.ops.quant_linear(one, w.blocks, "q4_0+q9", a)
+
+
+def _step(model: LlamaModel, ids: list[int]) -> torch.Tensor:
+    """The prompt ids[:-1] prefilled, then the logits of one batch-1 step on ids[-1]."""
+    n = len(ids)
+    model.init_kv_cache(1, 16)
+    with torch.inference_mode():
+        model.forward(ForwardBatch(
+            input_ids=ids[:-1], positions=list(range(n - 1)), slot_mapping=list(range(n - 1)),
+            query_lens=[n - 1], context_lens=[n - 1], block_tables=[[0]],
+            logits_indices=[n - 2]))
+        return model.forward(ForwardBatch(
+            input_ids=ids[-1:], positions=[n - 1], slot_mapping=[n - 1], query_lens=[1],
+            context_lens=[n], block_tables=[[0]], logits_indices=[0]))[0].float()
+
+
+def test_a_batch1_step_on_8bit_activations(smollm2_quantized: LlamaModel) -> None:
+    """SmolLM2's Q4_1 layers and Q8_0 head: every projection takes the suffix, in the decode
+    stack as in the per-layer path (the same bits), near the exact step, and back to it."""
+    model = smollm2_quantized
+    assert model.kernels is not None
+    assert model.stack is not None
+    suffix = native.act8_suffix(model.kernels.isa)
+    if not suffix:
+        pytest.skip("the generic build has no 8-bit kernels")
+    ids = [1, 504, 3458, 314, 260, 1345, 282, 4811, 30]
+    exact = _step(model, ids)
+    try:
+        assert model.use_act8(suffix) == 1 + 4 * len(model.layers)
+        assert model.stack is not None
+        assert all(f.endswith(suffix) for f in model.stack.formats)
+        stacked = _step(model, ids)
+        stack, model.stack = model.stack, None  # the per-layer path, the same kernels
+        try:
+            layered = _step(model, ids)
+        finally:
+            model.stack = stack
+        assert torch.equal(stacked, layered)
+        assert not torch.equal(stacked, exact)
+        p, q = torch.log_softmax(exact, -1), torch.log_softmax(stacked, -1)
+        assert (p.exp() * (p - q)).sum() < 0.05  # nats
+    finally:
+        model.use_act8("")
+    assert not any("+" in f for f in model.stack.formats)
+    assert torch.equal(_step(model, ids), exact)
