@@ -23,9 +23,10 @@ from nanoserve.model.quant import QuantWeight
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="needs the native kernels")
 
-FORMATS = ("q4_0", "q4_1", "q8_0", "q4_k", "q6_k")
+FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q6_k")
 # Each format's quant bytes within a block (the rest are its scales).
-QUANT_BYTES = {"q4_0": slice(2, 18), "q4_1": slice(4, 20), "q8_0": slice(2, 34),
+QUANT_BYTES = {"q4_0": slice(2, 18), "q4_1": slice(4, 20), "q5_0": slice(2, 22),
+               "q5_1": slice(4, 24), "q8_0": slice(2, 34),
                "q4_k": slice(16, 144), "q6_k": slice(0, 192)}
 VNNI = {"avx512": "avx512_vnni", "avx2": "avx_vnni"}
 
@@ -49,7 +50,8 @@ def round_activations(x: np.ndarray) -> np.ndarray:
 
 def expected(w: QuantWeight, x: np.ndarray) -> np.ndarray:
     blocks = w.blocks.numpy()
-    size = {"q4_0": 18, "q4_1": 20, "q8_0": 34, "q4_k": 144, "q6_k": 210}[w.format]
+    size = {"q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_0": 34, "q4_k": 144,
+            "q6_k": 210}[w.format]
     per = blocks.reshape(-1, size).copy()
     dense = _dequant(blocks, w.format, w.rows)
     per[:, QUANT_BYTES[w.format]] = 0
@@ -110,11 +112,11 @@ def test_more_rows_and_other_formats_keep_the_exact_path() -> None:
     suffixed = torch.empty(3, 8)
     k.ops.quant_linear(x, w.blocks, "q4_0+q8", suffixed)
     assert torch.equal(plain, suffixed)
-    w5 = random_weight("q5_0", 8, 256, seed=7)
+    w5 = random_weight("q5_k", 8, 256, seed=7)
     one = x[:1]
     a, b = torch.empty(1, 8), torch.empty(1, 8)
-    k.ops.quant_linear(one, w5.blocks, "q5_0", a)
-    k.ops.quant_linear(one, w5.blocks, "q5_0+q8", b)
+    k.ops.quant_linear(one, w5.blocks, "q5_k", a)
+    k.ops.quant_linear(one, w5.blocks, "q5_k+q8", b)
     assert torch.equal(a, b)
     with pytest.raises(RuntimeError, match="unknown suffix"):
         k.ops.quant_linear(one, w.blocks, "q4_0+q9", a)

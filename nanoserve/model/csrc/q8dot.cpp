@@ -17,8 +17,8 @@
 // AVX-512 builds, so every instruction set gives the same bits. A weight of W weights per
 // block is read once, the rows of W split among threads.
 //
-// Formats: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K (the synthetic Q4_0 and Q4_K_M files, SmolLM2's
-// Q4_1 and Q8_0 head, Gemma's K-quants). The others keep the exact path.
+// Formats: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K (the synthetic Q4_0 and Q4_K_M files,
+// SmolLM2's Q4_1 and Q8_0 head, Gemma's). Q5_K, F16 and BF16 keep the exact path.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -154,6 +154,47 @@ struct Q4_1 {
   }
 };
 
+// A 32-weight block's fifth bits (bit j of the little-endian word at qh: weight j's) as
+// 0x10 or 0 in byte j: each byte takes its word's byte j / 8, keeps bit j % 8, and a compare
+// makes that 0xff.
+Q8_INLINE __m256i fifth_bits(const uint8_t* qh) {
+  uint32_t bits;
+  std::memcpy(&bits, qh, 4);
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit),
+                          _mm256_set1_epi8(0x10));
+}
+
+struct Q5_0 {
+  static constexpr int64_t kBytes = 22, kUnits = 1;
+  static constexpr float kOffset = -16.0f;  // w = d (q - 16)
+  template <bool V>
+  static Q8_INLINE void block(const uint8_t* b, const int8_t* a, const float* dx, const float*,
+                              const float* s32, Sums& s) {
+    const float d = half(b);
+    const __m256i q = _mm256_or_si256(nibbles32(b + 6), fifth_bits(b + 2));
+    const __m256 p = _mm256_cvtepi32_ps(dot4<V>(q, load256(a)));
+    s.acc[0] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * dx[0]), s.acc[0]);
+    s.off += d * s32[0];
+  }
+};
+
+struct Q5_1 {
+  static constexpr int64_t kBytes = 24, kUnits = 1;
+  static constexpr float kOffset = 1.0f;  // w = d q + m
+  template <bool V>
+  static Q8_INLINE void block(const uint8_t* b, const int8_t* a, const float* dx, const float*,
+                              const float* s32, Sums& s) {
+    const __m256i q = _mm256_or_si256(nibbles32(b + 8), fifth_bits(b + 4));
+    const __m256 p = _mm256_cvtepi32_ps(dot4<V>(q, load256(a)));
+    s.acc[0] = _mm256_fmadd_ps(p, _mm256_set1_ps(half(b) * dx[0]), s.acc[0]);
+    s.off += half(b + 2) * s32[0];
+  }
+};
+
 struct Q8_0 {
   static constexpr int64_t kBytes = 34, kUnits = 1;
   static constexpr float kOffset = 0.0f;  // w = d q
@@ -270,8 +311,8 @@ void gemv8_any(bool vnni, const float* x, int64_t K, const uint8_t* blocks, int6
 namespace nanoserve {
 
 bool q8_format(const std::string& format) {
-  return format == "q4_0" || format == "q4_1" || format == "q8_0" || format == "q4_k" ||
-         format == "q6_k";
+  return format == "q4_0" || format == "q4_1" || format == "q5_0" || format == "q5_1" ||
+         format == "q8_0" || format == "q4_k" || format == "q6_k";
 }
 
 void q8_gemv(const at::Tensor& x, const at::Tensor& blocks, const std::string& format,
@@ -285,6 +326,8 @@ void q8_gemv(const at::Tensor& x, const at::Tensor& blocks, const std::string& f
   float* op = out.data_ptr<float>();
   if (format == "q4_0") return gemv8_any<Q4_0>(vnni, xp, K, bp, N, op);
   if (format == "q4_1") return gemv8_any<Q4_1>(vnni, xp, K, bp, N, op);
+  if (format == "q5_0") return gemv8_any<Q5_0>(vnni, xp, K, bp, N, op);
+  if (format == "q5_1") return gemv8_any<Q5_1>(vnni, xp, K, bp, N, op);
   if (format == "q8_0") return gemv8_any<Q8_0>(vnni, xp, K, bp, N, op);
   if (format == "q4_k") return gemv8_any<Q4_K>(vnni, xp, K, bp, N, op);
   if (format == "q6_k") return gemv8_any<Q6_K>(vnni, xp, K, bp, N, op);
