@@ -86,7 +86,10 @@ def test_int8_decode_is_the_integer_dot_of_the_rounded_row(fmt: str, isa: str) -
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_every_instruction_set_and_vnni_give_the_same_bits(fmt: str) -> None:
+def test_vnni_gives_the_same_bits_and_the_instruction_sets_the_same_sums(fmt: str) -> None:
+    """vpdpbusd and vpmaddubsw form the same integer sums, so within a build VNNI changes no
+    bit; across builds the float additions are the same except where the AVX-512 build
+    takes two units a register (Q4_K), which reorders them."""
     w = random_weight(fmt, 19, 512, seed=5)
     x = torch.randn(1, 512)
     runs = {}
@@ -96,11 +99,14 @@ def test_every_instruction_set_and_vnni_give_the_same_bits(fmt: str) -> None:
         k = kernels_for(isa)
         runs[isa] = _run(k, w, x, "+q8")
         if VNNI[isa] in native.cpu_flags():  # forced: the CPU has it
-            runs[isa + "+vnni"] = _run(k, w, x, "+q8v")
+            assert torch.equal(_run(k, w, x, "+q8v"), runs[isa]), isa
     assert runs, "no instruction set with the 8-bit kernels on this CPU"
     first = next(iter(runs.values()))
     for name, out in runs.items():
-        assert torch.equal(out, first), name
+        if fmt == "q4_k":
+            torch.testing.assert_close(out, first, rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(out, first), name
 
 
 def test_more_rows_and_other_formats_keep_the_exact_path() -> None:
