@@ -85,7 +85,7 @@ agents-setup: setup
 
 # N `nanoserve serve` replicas behind sglang-router on one front URL, until Ctrl-C (flags:
 # --port, --policy cache_aware|round_robin|..., --log-dir; the rest go to every replica,
-# e.g. `just fleet 2 --model stub`). README: Scaling out.
+# e.g. `just fleet 2 --model stub`). docs/scaling.md.
 fleet n *args: setup router-setup
     {{py}} -m sim.live_fleet {{n}} {{args}}
 

@@ -7,7 +7,7 @@ converted them to) and runs the same load; then prints both side by side and wri
 result as JSON. One server at a time: the machine's cores are the resource being measured.
 
 The peer needs FastAPI and Uvicorn (`transformers[serving]`), which nanoserve's venv does
-not carry; `--peer-python` names an interpreter that has them (see the README). Without one
+not carry; `--peer-python` names an interpreter that has them (docs/performance.md). Without one
 the peer is skipped and said so. The peer rejects vLLM's `ignore_eos`, so its bodies trade
 it for a `generation_config` with min_new_tokens = max_new_tokens = the output length: the
 same number of tokens, which the results' usage counts confirm.
