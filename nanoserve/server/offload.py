@@ -20,11 +20,13 @@ thread, every other thread waiting on the GIL, without it.
 And the GIL's convoy: a thread that gives the GIL up for a syscall (the loop's socket
 writes) or a torch op (every op of the engine's step) waits the switch interval, 5 ms, to
 get it back from a worker running pure Python, once per op. A step of a few dozen small
-ops then takes 100 ms. While request work is in flight the interval is 0.5 ms, so the wait
-is a tenth; the heavy request pays the extra switches, not its neighbours. Measured beside
+ops then takes 100 ms. While request work is in flight the interval is 0.1 ms, so the wait
+is a fiftieth; the heavy request pays the extra switches, not its neighbours. Measured beside
 eight streams of the stub, 1,000 tools, three runs each on a shared two-core machine: the
 streams' worst gap 150-270, 50-120 and 90-130 ms at 5 ms; 50-90, 40-70 and 65-105 ms at
-0.5 ms. The interval is the process's, so the count of work in flight is too.
+0.5 ms. Later, over the median gap, four runs at 0.1 ms against three at 0.5 ms: 48-85
+against 61-119 ms, the heavy request 1.6 s against 1.0 s. The interval is the process's,
+so the count of work in flight is too.
 
 Only the live clock gets threads. The step, virtual and gate clocks promise that a run is a
 pure function of its trace (bridge/clock.py): a thread would let a request reach the inbox
@@ -44,7 +46,7 @@ import trio
 T = TypeVar("T")
 
 # The GIL's switch interval while request work runs in a thread; Python's default is 5 ms.
-BUSY_SWITCH_INTERVAL_S = 0.0005
+BUSY_SWITCH_INTERVAL_S = 0.0001
 
 
 class _Busy:
