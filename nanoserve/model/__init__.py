@@ -4,8 +4,8 @@
     placement.py  a checkpoint's tensors placed for the forward: fused, float32 or quantized
     step.py       one step's inputs to the forward: index tensors, RoPE rows, attention plan
     quant.py      quantized weights (GGUF blocks) and their projections
-    native.py     the build of csrc/, the CPU kernels (layers, attention, quantized, stack),
-                  once per instruction set, and the run-time choice among them
+    native.py     the build of csrc/, the CPU kernels (layers, attention, quantized, 8-bit
+                  decode, stack), once per instruction set, and the run-time choice among them
     cpu.py        what the CPU advertises and the OS has enabled (XCR0), oneDNN held to it
     cache.py      where converted models and built kernels are kept
     ops.py        a layer's elementwise parts: one native kernel each, or stock PyTorch ops

@@ -230,7 +230,7 @@ class QuantProj:
     there. Either way the weights are the same values; only the order of additions differs.
     `int8` (model/int8.py, opt-in) takes over from INT8_FROM_ROWS rows, and the panels
     (model/panels.py, `with_panels`) at the row counts of `panel_rows` below that. `act8`
-    ("+q8" or "+q8v", opt-in, model/int8.py) sends one row of x to the kernels' 8-bit
+    ("+q8" or "+q8v", opt-in: LlamaModel.use_act8) sends one row of x to the kernels' 8-bit
     activations (csrc/q8dot.cpp) in the formats they have."""
 
     __slots__ = ("weight", "scratch", "ops", "dense_from", "kernels", "int8", "pieces",

@@ -848,7 +848,7 @@ void check_blocks(const at::Tensor& blocks, int64_t K, const std::string& format
 
 namespace nanoserve {
 
-// A format may carry a suffix, "+q8" or "+q8v" (model/int8.py adds it under
+// A format may carry a suffix, "+q8" or "+q8v" (LlamaModel.use_act8 adds it under
 // `--int8-activations`): at one row of x, a format q8dot.cpp has takes its 8-bit-activation
 // kernel ("v": with VNNI's vpdpbusd); other row counts and formats ignore it.
 void quant_linear(const at::Tensor& x, const at::Tensor& blocks, const std::string& spec,
