@@ -149,6 +149,16 @@ struct Sums {
 // Each format: kBytes per block of kUnits * 32 weights; kOffset, the factor the offsets'
 // sums take at the end (exact: a power of two, or 1); block(...) adds one block's products.
 // `a`, `dx`, `s16`, `s32`: the block's activations, their scales and sums.
+// A block of one unit: its 32 quants q (unsigned) times the activations a, scaled by d dx
+// into the sums; its offset's factor o times the activations' exact sum.
+template <bool V>
+Q8_INLINE void one_unit(__m256i q, const int8_t* a, float d, float o, float dx, float sum,
+                        Sums& s) {
+  const __m256 p = _mm256_cvtepi32_ps(dot4<V>(q, load256(a)));
+  s.acc[0] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * dx), s.acc[0]);
+  s.off += o * sum;
+}
+
 struct Q4_0 {
   static constexpr int64_t kBytes = 18, kUnits = 1;
   static constexpr float kOffset = -8.0f;  // w = d (q - 8)
@@ -156,9 +166,7 @@ struct Q4_0 {
   static Q8_INLINE void block(const uint8_t* b, const int8_t* a, const float* dx, const float*,
                               const float* s32, Sums& s) {
     const float d = half(b);
-    const __m256 p = _mm256_cvtepi32_ps(dot4<V>(nibbles32(b + 2), load256(a)));
-    s.acc[0] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * dx[0]), s.acc[0]);
-    s.off += d * s32[0];
+    one_unit<V>(nibbles32(b + 2), a, d, d, dx[0], s32[0], s);
   }
 };
 
@@ -168,9 +176,7 @@ struct Q4_1 {
   template <bool V>
   static Q8_INLINE void block(const uint8_t* b, const int8_t* a, const float* dx, const float*,
                               const float* s32, Sums& s) {
-    const __m256 p = _mm256_cvtepi32_ps(dot4<V>(nibbles32(b + 4), load256(a)));
-    s.acc[0] = _mm256_fmadd_ps(p, _mm256_set1_ps(half(b) * dx[0]), s.acc[0]);
-    s.off += half(b + 2) * s32[0];
+    one_unit<V>(nibbles32(b + 4), a, half(b), half(b + 2), dx[0], s32[0], s);
   }
 };
 
@@ -195,10 +201,7 @@ struct Q5_0 {
   static Q8_INLINE void block(const uint8_t* b, const int8_t* a, const float* dx, const float*,
                               const float* s32, Sums& s) {
     const float d = half(b);
-    const __m256i q = _mm256_or_si256(nibbles32(b + 6), fifth_bits(b + 2));
-    const __m256 p = _mm256_cvtepi32_ps(dot4<V>(q, load256(a)));
-    s.acc[0] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * dx[0]), s.acc[0]);
-    s.off += d * s32[0];
+    one_unit<V>(_mm256_or_si256(nibbles32(b + 6), fifth_bits(b + 2)), a, d, d, dx[0], s32[0], s);
   }
 };
 
@@ -208,10 +211,8 @@ struct Q5_1 {
   template <bool V>
   static Q8_INLINE void block(const uint8_t* b, const int8_t* a, const float* dx, const float*,
                               const float* s32, Sums& s) {
-    const __m256i q = _mm256_or_si256(nibbles32(b + 8), fifth_bits(b + 4));
-    const __m256 p = _mm256_cvtepi32_ps(dot4<V>(q, load256(a)));
-    s.acc[0] = _mm256_fmadd_ps(p, _mm256_set1_ps(half(b) * dx[0]), s.acc[0]);
-    s.off += half(b + 2) * s32[0];
+    one_unit<V>(_mm256_or_si256(nibbles32(b + 8), fifth_bits(b + 4)), a, half(b), half(b + 2),
+                dx[0], s32[0], s);
   }
 };
 
