@@ -26,8 +26,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import jsonschema
-
 from nanoserve.sampling.grammar import GuidedSpec
 from nanoserve.server.config import AgentSettings
 from nanoserve.server.errors import bad_request
@@ -39,6 +37,7 @@ from nanoserve.server.tools.constrained import (
     required_spec,
 )
 from nanoserve.server.tools.output import OutputPlan
+from nanoserve.server.tools.schema_check import schema_error
 
 CHATML = "<|im_start|>"
 
@@ -112,14 +111,11 @@ def _mode(choice: Any, tools: Sequence[dict[str, Any]]) -> tuple[str, str | None
 
 
 def _check_schema(schema: Any, field: str) -> None:
-    if schema is None:
-        return
-    try:
-        jsonschema.Draft202012Validator.check_schema(schema)
-    except jsonschema.SchemaError as exc:
+    exc = None if schema is None else schema_error(schema)
+    if exc is not None:
         where = "/".join(str(p) for p in exc.absolute_path)
         raise bad_request(field, f"{field} is not a valid JSON schema"
-                          f"{f' at {where}' if where else ''}: {exc.message}") from None
+                          f"{f' at {where}' if where else ''}: {exc.message}")
 
 
 def constraint_with(spec: GuidedSpec | AutoCalls | None, other: GuidedSpec | None,
