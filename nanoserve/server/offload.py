@@ -15,7 +15,14 @@ model's, torch's: over 100 ms) while holding the GIL, in whichever thread alloca
 `freeze_heap`, once the engine is loaded, moves what exists then out of the collector's
 sight (gc.freeze, as vLLM does after its startup), so a collection walks only what requests
 made since. Measured with 2,000 tools beside eight streams: a 115 ms pause in the worker
-thread, every other thread waiting on the GIL, without it.
+thread, every other thread waiting on the GIL, without it. What requests make is still
+walked: a body of 10,000 tools (2.5 MB, the limits raised) parsed, validated and rendered
+is a million objects, and full collections in its worker took 40-128 ms, each time with
+nothing to free (the body is a tree; its reference counts free it). So while request work
+is in flight, full collections wait (the oldest generation's threshold raised; the young
+ones still run, 6-8 ms at most there): once the work is done, its objects are gone and
+the next collection walks only what lives on. With the hold, that body's longest GIL hold
+in the worker was 16 ms. Where work never stops coming, they wait MAX_HOLD_S at most.
 
 And the GIL's convoy: a thread that gives the GIL up for a syscall (the loop's socket
 writes) or a torch op (every op of the engine's step) waits the switch interval, 5 ms, to
@@ -38,6 +45,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -47,22 +55,32 @@ T = TypeVar("T")
 
 # The GIL's switch interval while request work runs in a thread; Python's default is 5 ms.
 BUSY_SWITCH_INTERVAL_S = 0.0001
+# The oldest generation's threshold then: its collections wait until no work is in flight,
+# or MAX_HOLD_S at most.
+NO_FULL_COLLECTION = 2**31 - 1
+MAX_HOLD_S = 5.0
 
 
 class _Busy:
     """Request work in flight in this process, across apps: the first in lowers the switch
-    interval, the last out puts back what it found. Only Trio threads touch it (one loop
-    per app, each its own Trio thread), so the count's updates come one at a time under
-    the GIL."""
+    interval and holds back full collections, the last out puts back what it found. Only
+    Trio threads touch it (one loop per app, each its own Trio thread), so the count's
+    updates come one at a time under the GIL."""
 
     in_flight = 0
     idle_interval = 0.005
+    idle_thresholds = (700, 10, 10)
+    held_since: float | None = None  # when full collections were held back, if they are
 
     @classmethod
     def enter(cls) -> None:
         if cls.in_flight == 0:
             cls.idle_interval = sys.getswitchinterval()
             sys.setswitchinterval(min(cls.idle_interval, BUSY_SWITCH_INTERVAL_S))
+            cls.idle_thresholds = gc.get_threshold()
+            young, middle, _ = cls.idle_thresholds
+            gc.set_threshold(young, middle, NO_FULL_COLLECTION)
+            cls.held_since = time.monotonic()
         cls.in_flight += 1
 
     @classmethod
@@ -70,6 +88,12 @@ class _Busy:
         cls.in_flight -= 1
         if cls.in_flight == 0:
             sys.setswitchinterval(cls.idle_interval)
+        since = cls.held_since
+        if since is not None and (cls.in_flight == 0 or time.monotonic() - since > MAX_HOLD_S):
+            # Where work never stops coming, collections resume after MAX_HOLD_S: a cycle
+            # that dies in the oldest generation is freed only by one.
+            gc.set_threshold(*cls.idle_thresholds)
+            cls.held_since = None
 
 
 class Offload:
