@@ -9,9 +9,11 @@ it again, with the same words, from the loaded model.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from dataclasses import dataclass
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +38,64 @@ _FLAGGED = re.compile(r"\b(block_size|num_blocks|kv_cache_memory|max_num_seqs|"
                       r"max_num_batched_tokens|max_model_len)\b")
 
 
+SPEC_METHODS = ("ngram",)
+LOOKUP_MIN = 2  # the least n-gram where only prompt_lookup_max is given
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """vLLM's `--speculative-config`, as far as nanoserve has it: n-gram prompt lookup
+    (`method` "ngram"), `num_speculative_tokens` proposed a step, from the longest n-gram
+    of `prompt_lookup_min`..`prompt_lookup_max` tokens that ends the sequence and occurs
+    earlier in it. `disable_by_batch_size` (vLLM's name): no proposals on a step with more
+    decoding sequences than that (a wide batch is compute-bound, and k + 1 rows a sequence
+    cost it k more)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = LOOKUP_MIN
+    prompt_lookup_max: int = 4
+    disable_by_batch_size: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ConfigError("speculative_config.method must be one of "
+                              f"{', '.join(SPEC_METHODS)}, got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                     "disable_by_batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"speculative_config.{name} must be an integer >= 1, got "
+                                  f"{value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) "
+                              f"exceeds prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @classmethod
+    def parse(cls, text: str | dict[str, Any]) -> SpeculativeConfig:
+        """From vLLM's JSON (or its dict). `prompt_lookup_max` alone leaves the least
+        n-gram at 2 (or at the max, if lower)."""
+        if isinstance(text, dict):
+            fields = text
+        else:
+            try:
+                fields = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"speculative_config is not valid JSON: {exc}") from None
+        if not isinstance(fields, dict):
+            raise ConfigError("speculative_config must be a JSON object, got "
+                              f"{type(fields).__name__}")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ConfigError(f"speculative_config.{unknown[0]} is not supported (known: "
+                              f"{', '.join(sorted(known))})")
+        high = fields.get("prompt_lookup_max")
+        if isinstance(high, int) and "prompt_lookup_min" not in fields:
+            fields = {**fields, "prompt_lookup_min": min(high, LOOKUP_MIN)}
+        return cls(**fields)
+
+
 @dataclass(frozen=True, slots=True)
 class KVLayout:
     """What a configuration comes to on one model: the pool's blocks, the longest sequence."""
@@ -58,6 +118,8 @@ class EngineConfig:
     prefix_caching: bool = True
     seed: int = 0
     stub_num_blocks: int = 1024
+    # Speculative decoding (engine/speculative.py); None: one token a sequence a step.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "stub_num_blocks"):

@@ -40,6 +40,7 @@ class Work:
     decode_context: int = 0
     prefill_attention: int = 0
     prefill_cached_pairs: int = 0
+    drafted: int = 0  # proposed tokens checked (engine/speculative.py)
 
 
 def plain_greedy(p: SamplingParams) -> bool:
@@ -57,7 +58,9 @@ class StepBatch:
 
     forward: ForwardBatch
     samplers: list[Request]  # [S] the requests that draw a token this step
-    sample_rows: list[int]  # [S] their rows in the model's logits
+    # [S] their first rows in the model's logits; a request with a proposal of k tokens
+    # has k more rows after it, one after each of them.
+    sample_rows: list[int]
     prompt: PromptRows  # the rows that score prompt tokens (prompt_logprobs)
 
 
@@ -86,6 +89,9 @@ def build_batch(
         req = s.request
         n = s.num_tokens
         tokens = req.token_ids
+        last = len(tokens)  # a proposal's tokens are computed after the request's own
+        if req.draft:
+            tokens = tokens + req.draft
         start = req.num_computed
         end = start + n
         if req.needs_prompt_logprobs:
@@ -117,9 +123,10 @@ def build_batch(
         # see the same model, as they would with real weights.
         group_seed = group_params[req.group].seed
         seeds.append(group_seed if group_seed is not None else 0)
-        if end == len(tokens):  # s.samples: this step reaches its last token
+        if end >= last:  # s.samples: this step reaches its last token
+            # One row after its last token, and one after each token of its proposal.
             sample_rows.append(len(logits_indices))
-            logits_indices.append(len(input_ids) - 1)
+            logits_indices.extend(range(len(input_ids) - 1 - (end - last), len(input_ids)))
             samplers.append(req)
     b = ForwardBatch(input_ids, positions, slots, query_lens, context_lens, block_tables,
                      logits_indices, histories, seeds)
@@ -146,7 +153,11 @@ def advance(schedule: Schedule, kv: KVManager) -> Work:
         end = start + s.num_tokens
         if req.num_output > 0 and start == req.num_tokens - 1:
             w.decode += s.num_tokens
-            w.decode_context += end
+            # Keys a row reads: its context; with a proposal, each of its k + 1 rows its own.
+            w.decode_context += s.num_tokens * start + s.num_tokens * (s.num_tokens + 1) // 2
+            if req.draft:  # computed for now: its last token; the proposal once checked
+                end = start + 1
+                w.drafted += len(req.draft)
         else:
             w.prefill += s.num_tokens
             w.prefill_seqs += 1

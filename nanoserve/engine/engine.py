@@ -17,6 +17,7 @@ from nanoserve.engine.parallel_sampling import ParentRequests, share_prompt, unf
 from nanoserve.engine.request import FinishReason, Request, Status, Update, check_unused
 from nanoserve.engine.runner import ModelRunner
 from nanoserve.engine.scheduler import Schedule, Scheduler, SchedulerFactory
+from nanoserve.engine.speculative import SpecCounters, ngram_proposal, speculates
 from nanoserve.engine.stop import Ending, take_token
 from nanoserve.model.base import Model, ModelLost
 from nanoserve.sampling.grammar import GrammarError, Grammars
@@ -46,6 +47,7 @@ class Engine:
         self.eos_token_ids = tuple(model.config.eos_token_ids)
         self.grammars = Grammars(tokenizer, model.config.vocab_size)
         self.runner = ModelRunner(model, self.kv, bs, self.eos_token_ids, self.grammars)
+        self.spec = SpecCounters()
         self.requests: dict[str, Request] = {}  # live requests by their own id
         self.parents = ParentRequests()  # caller's id -> its live completions
         self.num_steps = 0
@@ -130,6 +132,14 @@ class Engine:
         """Schedule, run the model, fork what wants n completions, sample, then apply each
         row's token."""
         self.num_steps += 1
+        drafted = self._propose()
+        try:
+            return self._step()
+        finally:
+            for req in drafted:  # a proposal lives for one step, checked or not
+                req.draft.clear()
+
+    def _step(self) -> StepResult:
         schedule = self.scheduler.schedule()
         preempted = self._ids(schedule.preempted)
         if not schedule.scheduled:
@@ -144,10 +154,33 @@ class Engine:
         w = ran.work
         self._prefill_tokens += w.prefill
         self._decode_tokens += w.decode
-        done = tuple(self._update(req, tok, lp) for req, tok, lp in ran.draws())
+        accepted = self.spec.count(ran)
+        done = tuple(self._update(req, toks, lps) for req, toks, lps in ran.draws())
         return StepResult(self.num_steps, done, preempted, w.prefill, w.decode,
                           w.prefill_seqs, w.decode_context, w.prefill_attention,
-                          w.prefill_cached_pairs)
+                          w.prefill_cached_pairs, w.drafted, accepted)
+
+    def _propose(self) -> list[Request]:
+        """Set this step's proposals (engine/speculative.py): on a step with few enough
+        decoding requests, each that may speculate gets up to num_speculative_tokens, no
+        more than its max_tokens leaves room for. Returns the requests that got one."""
+        spec = self.config.speculative
+        if spec is None:
+            return []
+        decoding = [r for r in self.scheduler.running
+                    if r.num_output > 0 and r.num_computed == r.num_tokens - 1]
+        if len(decoding) > spec.disable_by_batch_size:
+            return []
+        drafted = []
+        for r in decoding:
+            k = min(spec.num_speculative_tokens, r.max_tokens - r.num_output - 1)
+            if k < 1 or not speculates(r):
+                continue
+            r.draft = ngram_proposal(r.token_ids, k, spec.prompt_lookup_min,
+                                     spec.prompt_lookup_max)
+            if r.draft:
+                drafted.append(r)
+        return drafted
 
     def _fail_step(self, schedule: Schedule, exc: Exception) -> tuple[Update, ...]:
         """End every request the failed step scheduled (all its completions) with the error."""
@@ -170,13 +203,22 @@ class Engine:
                 rows += [(i, c) for c in self._fork(r) if c.num_computed]
         return rows
 
-    def _update(self, req: Request, token: int, logprobs: TokenLogprobs | None) -> Update:
-        """Apply a sampled token (stop.py): the token's update, or the request's last."""
-        ending = take_token(req, token, logprobs, self.num_steps, self.eos_token_ids)
-        if ending is None:
-            return token_update(req, token, "" if req.detok is None else req.detok.pop_delta())
-        self._failed += ending.reason is FinishReason.ERROR
-        return self._finish(req, ending, (token,))
+    def _update(self, req: Request, tokens: list[int],
+                logprobs: list[TokenLogprobs | None]) -> Update:
+        """Apply a step's tokens (stop.py), one at a time: the tokens' update, or the
+        request's last, with those before the one that ended it. With a proposal, the KV
+        of its tokens that were kept now counts as computed, and blocks past them go back."""
+        for i, (token, lp) in enumerate(zip(tokens, logprobs, strict=True)):
+            ending = take_token(req, token, lp, self.num_steps, self.eos_token_ids)
+            if ending is not None:
+                self._failed += ending.reason is FinishReason.ERROR
+                return self._finish(req, ending, tuple(tokens[:i + 1]))
+        if req.draft:
+            req.num_computed += len(tokens) - 1
+            self.kv.commit(req)
+            self.kv.trim(req)
+        text = "" if req.detok is None else req.detok.pop_delta()
+        return token_update(req, tuple(tokens), text)
 
     def _finish(self, req: Request, ending: Ending, new_tokens: tuple[int, ...] = ()) -> Update:
         self.scheduler.remove(req)

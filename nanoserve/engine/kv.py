@@ -246,6 +246,14 @@ class KVManager:
                 chain.append(h)
             req.block_hashes.append(h)
 
+    def trim(self, req: Request) -> None:
+        """Give back the blocks wholly past `req`'s computed tokens: those a checked proposal
+        (engine/speculative.py) took for tokens that were not kept."""
+        keep = self.blocks_needed(req.num_computed)
+        if len(req.blocks) > keep:
+            self.pool.release(req.blocks[keep:])
+            del req.blocks[keep:]
+
     def free(self, req: Request) -> None:
         self.pool.release(req.blocks)
         req.blocks = []

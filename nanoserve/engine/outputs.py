@@ -34,6 +34,10 @@ class StepResult:
     decode_context: int = 0
     prefill_attention: int = 0
     prefill_cached_pairs: int = 0
+    # Speculative decoding (engine/speculative.py): proposed tokens checked, and of those
+    # kept; num_decode_tokens counts the rows, each checked token's included.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,17 +155,18 @@ def prompt_logprobs_update(req: Request) -> tuple[TokenLogprobs | None, ...] | N
     return tuple(req.prompt_logprobs)
 
 
-def token_update(req: Request, token: int, text: str) -> Update:
-    """A request that goes on: its new token and the text it released."""
+def token_update(req: Request, tokens: tuple[int, ...], text: str) -> Update:
+    """A request that goes on: its new tokens (one, or more with a proposal) and the text
+    they released."""
     return Update(
         req.group,
-        (token,),
+        tokens,
         text,
         index=req.index,
         num_prompt_tokens=req.num_prompt,
         num_output_tokens=req.num_output,
         num_cached_tokens=req.num_cached_prompt,
-        logprobs=(req.logprobs[-1],),
+        logprobs=tuple(req.logprobs[-len(tokens):]),
         prompt_logprobs=prompt_logprobs_update(req),
     )
 

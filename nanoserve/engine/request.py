@@ -76,6 +76,9 @@ class Request:
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     # params.guided's matcher (nanoserve/sampling/grammar.py), made when the request first samples
     grammar: Any = None
+    # Tokens proposed to follow token_ids, checked this step (engine/speculative.py); only
+    # ever set from a step's proposals to its end.
+    draft: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

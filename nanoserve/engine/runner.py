@@ -23,7 +23,7 @@ from nanoserve.engine.scheduler import Schedule
 from nanoserve.model.base import Model
 from nanoserve.sampling.grammar import Grammars
 from nanoserve.sampling.params import SamplingParams
-from nanoserve.sampling.sampler import SampleOutput, SamplingRow, TokenLogprobs, sample
+from nanoserve.sampling.sampler import SamplingRow, TokenLogprobs, sample
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,10 +43,10 @@ class Ran:
 
     work: Work
     requests: list[Request]  # [R] in draw order
-    tokens: list[int]  # [R]
-    logprobs: Sequence[TokenLogprobs | None]  # [R]
+    tokens: list[list[int]]  # [R] each request's tokens kept: one, or more with a proposal
+    logprobs: list[list[TokenLogprobs | None]]  # [R] theirs
 
-    def draws(self) -> zip[tuple[Request, int, TokenLogprobs | None]]:
+    def draws(self) -> zip[tuple[Request, list[int], list[TokenLogprobs | None]]]:
         return zip(self.requests, self.tokens, self.logprobs, strict=True)
 
 
@@ -66,24 +66,63 @@ class ModelRunner:
         logits = self.model.forward(b.forward) if direct is None else torch.empty(0)
         if b.prompt.rows:
             score_prompt(logits, b.prompt)
-            logits = logits[torch.tensor(b.sample_rows, dtype=torch.long, device=logits.device)]
+            keep = [row + j for row, r in zip(b.sample_rows, b.samplers, strict=True)
+                    for j in range(1 + len(r.draft))]
+            logits = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
         return Forwarded(advance(schedule, self.kv), b.samplers, logits, direct)
 
     def sample(self, fwd: Forwarded, rows: list[tuple[int, Request]]) -> Ran:
-        """One draw for each (logits row, request) of `rows`."""
+        """The draws for each (sampler, request) of `rows`: one, or with a proposal one
+        after each of its tokens, of which the first that differs from the proposal ends
+        what is kept (engine/speculative.py)."""
+        if not any(r.draft for r in fwd.samplers):
+            return self._one_each(fwd, rows)
+        first: list[int] = []  # each sampler's first row in fwd's logits
+        at = 0
+        for r in fwd.samplers:
+            first.append(at)
+            at += 1 + len(r.draft)
+        # (logits row, request, index of the draw in the request's output, output before it)
+        draws = [(first[i] + j, r, r.num_output + j, r.draft[:j])
+                 for i, r in rows for j in range(1 + len(r.draft))]
+        if fwd.direct is not None:
+            tokens = [fwd.direct[row] for row, *_ in draws]
+            logprobs: Sequence[TokenLogprobs | None] = [None] * len(draws)
+        else:
+            logits = fwd.logits
+            wanted = [row for row, *_ in draws]
+            if wanted != list(range(len(logits))):  # forked siblings draw from their parent's
+                logits = logits[torch.tensor(wanted, device=logits.device)]
+            drawn = sample(logits, [SamplingRow(r.params, r.seed, index, r.prompt_ids,
+                                                [*r.output_ids, *ahead], self._mask(r))
+                                    for _, r, index, ahead in draws], self.eos_token_ids)
+            tokens, logprobs = drawn.token_ids, drawn.logprobs
+        kept: list[list[int]] = []
+        kept_lp: list[list[TokenLogprobs | None]] = []
+        d = 0
+        for _, r in rows:
+            n = 1
+            while n <= len(r.draft) and tokens[d + n - 1] == r.draft[n - 1]:
+                n += 1
+            kept.append(tokens[d:d + n])
+            kept_lp.append(list(logprobs[d:d + n]))
+            d += 1 + len(r.draft)
+        return Ran(fwd.work, [r for _, r in rows], kept, kept_lp)
+
+    def _one_each(self, fwd: Forwarded, rows: list[tuple[int, Request]]) -> Ran:
+        """`sample` where no request has a proposal: one draw a request."""
         reqs = [r for _, r in rows]
         if fwd.direct is not None:
-            return Ran(fwd.work, reqs, [fwd.direct[i] for i, _ in rows], [None] * len(rows))
+            return Ran(fwd.work, reqs, [[fwd.direct[i]] for i, _ in rows],
+                       [[None] for _ in rows])
         logits = fwd.logits
         if len(rows) > len(fwd.samplers):  # forked siblings draw from their parent's row
             logits = logits[torch.tensor([i for i, _ in rows], device=logits.device)]
-        drawn = self._sample(logits, reqs)
-        return Ran(fwd.work, reqs, drawn.token_ids, drawn.logprobs)
-
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> SampleOutput:
-        rows = [SamplingRow(r.params, r.seed, r.num_output, r.prompt_ids, r.output_ids,
-                            self._mask(r)) for r in reqs]
-        return sample(logits, rows, self.eos_token_ids)
+        one = sample(logits, [SamplingRow(r.params, r.seed, r.num_output, r.prompt_ids,
+                                          r.output_ids, self._mask(r)) for r in reqs],
+                     self.eos_token_ids)
+        return Ran(fwd.work, reqs, [[t] for t in one.token_ids],
+                   [[lp] for lp in one.logprobs])
 
     def _mask(self, r: Request) -> bytes | None:
         """A constrained request's allowed tokens for its next draw. Its matcher is made at

@@ -28,8 +28,9 @@ class Scheduled:
 
     @property
     def samples(self) -> bool:
-        """Whether this step reaches the end of the request's tokens, so it samples one."""
-        return self.request.num_computed + self.num_tokens == self.request.num_tokens
+        """Whether this step reaches the end of the request's tokens (and its proposal, if
+        any), so it samples."""
+        return self.request.num_computed + self.num_tokens >= self.request.num_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +91,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed, budget)
+            n = min(req.num_tokens - req.num_computed, budget) + self._draft_room(req, budget)
             # Asked first, without _make_room's allocation: this runs once per running
             # request per step, and most of them fit the blocks they hold.
             if not self.kv.holds(req, n) and not self._make_room(req, n, preempted):
@@ -118,6 +119,18 @@ class Scheduler:
             out.append(Scheduled(req, n))
             budget -= n
         return Schedule(tuple(out), tuple(preempted))
+
+    def _draft_room(self, req: Request, budget: int) -> int:
+        """How much of `req`'s proposal (Request.draft; a decoding request's) this step
+        checks: what the budget leaves after its one token and the pool holds without
+        preempting anyone; the rest is dropped. A proposal is worth less than a neighbour's
+        place in the batch."""
+        if not req.draft:
+            return 0
+        del req.draft[max(budget - 1, 0):]
+        if req.draft and not self.kv.allocate(req, 1 + len(req.draft)):
+            req.draft.clear()
+        return len(req.draft)
 
     def _make_room(self, req: Request, n: int, preempted: list[Request]) -> bool:
         """Allocate for `req`, preempting from the back of `running` until it fits.

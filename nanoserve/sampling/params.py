@@ -120,6 +120,9 @@ class SamplingParams:
     detokenize: bool = True
     # Structured outputs (nanoserve/sampling/grammar.py): the constraint every token must keep to.
     guided: GuidedSpec | None = None
+    # False: no speculative proposals for this request where the engine has them
+    # (engine/speculative.py); its tokens are the same either way, only their pace differs.
+    speculate: bool = True
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n, 1, MAX_N, f"in [1, {MAX_N}]")
@@ -144,7 +147,7 @@ class SamplingParams:
             ">= 0" if hi is None else f"in [0, max_tokens={hi}]",
         )
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
-                     "detokenize"):
+                     "detokenize", "speculate"):
             setattr(self, name, _bool(name, getattr(self, name)))
         self.stop_token_ids = _token_ids(self.stop_token_ids)
         self.stop = _stop_strings(self.stop)

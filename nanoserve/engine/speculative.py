@@ -1,0 +1,96 @@
+"""Speculative decoding: tokens proposed for a sequence, checked in the step's one forward.
+
+A decoding request normally computes one token a step: its last, whose logits give the
+next. With a proposal d_1..d_k it computes k + 1 (its last and the proposal) in the same
+forward, as a chunk, and so gets the logits after each of them. The step then draws a
+token from each of those k + 1 rows exactly as it would have drawn it without the
+proposal: with the same sampler, the same row state (penalties see the proposal's tokens
+before each row as output), and the same uniform, which depends only on (seed, index of
+the token in the output) (sampling/sampler.py). Row j's draw t_j stands only if every
+proposed token before it matched: t_0 is always taken, t_j for j >= 1 only while
+t_0..t_{j-1} equal d_1..d_j. What comes out is the tokens decoding one at a time would
+have drawn, token for token, at any temperature and with any seed, given the same
+logits rows.
+
+That is the rejection sampling of Leviathan et al. for a proposal that is a function of
+the context (n-gram lookup; a draft model's greedy pick): its q puts all its mass on d, so
+d is kept with probability min(1, p(d) / q(d)) = p(d), the chance that a draw from p is d,
+and when it is not, the draw is from p without d, renormalised: the residual
+max(0, p - q) the algorithm samples from. So the output has the target's distribution.
+
+The rest of the step follows from the count of tokens kept (engine.py): the request's KV
+holds its last token and the proposal tokens that matched, the slots of the others are
+overwritten later, and the blocks wholly past them go back to the pool at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from nanoserve.engine.request import Request
+    from nanoserve.engine.runner import Ran
+
+
+def ngram_proposal(tokens: Sequence[int], k: int, low: int, high: int) -> list[int]:
+    """Up to `k` tokens that followed an earlier occurrence of the longest n-gram (`low` <=
+    n <= `high`) that ends `tokens`: the latest occurrence with k tokens after it, else the
+    first (the one with the most); none where no such n-gram occurs before."""
+    size = len(tokens)
+    if k < 1 or size < low + 1:
+        return []
+    seq = np.asarray(tokens, dtype=np.int64)
+    # Where an earlier n-gram can end: the positions before the last whose token is the last.
+    ends = np.flatnonzero(seq[:-1] == seq[-1])
+    for n in range(min(high, size - 1), low - 1, -1):
+        cand = ends[ends >= n - 1]
+        for back in range(1, n):  # compare the rest of the n-gram, one position at a time
+            if cand.size == 0:
+                break
+            cand = cand[seq[cand - back] == seq[size - 1 - back]]
+        if cand.size:
+            full = cand[cand + k < size]
+            start = int(full[-1] if full.size else cand[0]) + 1
+            return seq[start:start + k].tolist()
+    return []
+
+
+def speculates(req: Request) -> bool:
+    """Whether a decoding request may get a proposal: not where its constraint would have to
+    judge the proposal first, nor while it owes prompt logprobs or unforked completions, nor
+    where the request opted out (SamplingParams.speculate)."""
+    p = req.params
+    return (p.speculate and p.guided is None and not req.needs_prompt_logprobs
+            and not req.pending_children)
+
+
+@dataclass(slots=True)
+class SpecCounters:
+    """vLLM's counters of speculative decoding: proposals checked (`drafts`), their tokens,
+    the tokens kept, and the tokens kept at each position of a proposal (index 0: first)."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def count(self, ran: Ran) -> int:
+        """Count a step's checked proposals; returns the tokens kept of them."""
+        kept_all = 0
+        for req, tokens in zip(ran.requests, ran.tokens, strict=True):
+            if not req.draft:
+                continue
+            kept = len(tokens) - 1
+            self.drafts += 1
+            self.draft_tokens += len(req.draft)
+            kept_all += kept
+            while len(self.accepted_per_position) < len(req.draft):
+                self.accepted_per_position.append(0)
+            for i in range(kept):
+                self.accepted_per_position[i] += 1
+        self.accepted_tokens += kept_all
+        return kept_all
