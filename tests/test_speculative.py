@@ -1,0 +1,190 @@
+"""Speculative decoding in the engine (engine/speculative.py), on the stub: n-gram proposals,
+the same tokens as decoding one at a time (greedy and seeded sampling), fewer steps where
+the output copies its prompt, and the blocks of tokens not kept given back at once, on
+rejection, on preemption and on a hang-up, by their exact ids.
+
+The copy workload is the stub told to say (`⟪say⟫...⟪/say⟫`) a JSON object its prompt
+holds with one field changed: the n-gram proposals come from the prompt's copy, and the
+changed field is where one is rejected."""
+
+from __future__ import annotations
+
+import pytest
+from support.drain import drain, tokens
+
+from nanoserve.config import ConfigError, EngineConfig, SpeculativeConfig
+from nanoserve.engine.engine import Engine
+from nanoserve.engine.speculative import ngram_proposal
+from nanoserve.model.stub import StubModel
+from nanoserve.sampling.params import SamplingParams
+from nanoserve.tokenizer import Tokenizer
+
+SOURCE = '{"name": "nanoserve", "version": 3, "license": "MIT"}'
+EDIT = SOURCE.replace('"version": 3', '"version": 4')
+GREEDY = SamplingParams(temperature=0.0, max_tokens=60)
+NGRAM = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4)
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    from nanoserve.model.loader import resolve_model
+
+    return Tokenizer.from_folder(resolve_model("smollm2"))
+
+
+def make(tok: Tokenizer, spec: SpeculativeConfig | None, **cfg: object) -> Engine:
+    base: dict[str, object] = {"block_size": 4, "num_blocks": 64, **cfg}
+    return Engine(StubModel(tok, max_position_embeddings=256), tok,
+                  EngineConfig(speculative=spec, **base))  # type: ignore[arg-type]
+
+
+def copy_prompt(tok: Tokenizer) -> list[int]:
+    """The stub says EDIT; the prompt's SOURCE, after the script, is where proposals come
+    from (the latest occurrence), so the changed field is proposed wrong once."""
+    return tok.encode(f"⟪say⟫{EDIT}⟪/say⟫ Rewrite this JSON with version 4: {SOURCE}\n")
+
+
+def outputs(tok: Tokenizer, spec: SpeculativeConfig | None, prompts: list[list[int]],
+            params: SamplingParams, **cfg: object) -> tuple[dict[str, list[int]], Engine]:
+    e = make(tok, spec, **cfg)
+    for i, p in enumerate(prompts):
+        e.add_request(p, params, f"r{i}")
+    return tokens(drain(e)), e
+
+
+def test_ngram_proposal_takes_the_longest_ngram_and_its_latest_full_continuation() -> None:
+    assert ngram_proposal([1, 2, 3, 4, 5, 1, 2, 3], 3, 2, 4) == [4, 5, 1]
+    # "2 3" occurs at 1 and 5; the latest with 4 tokens after it wins.
+    assert ngram_proposal([1, 2, 3, 9, 1, 2, 3, 7, 5, 2, 3], 4, 2, 4) == [7, 5, 2, 3]
+    # The longest n-gram first: "9 2 3" occurs once, before "8".
+    assert ngram_proposal([9, 2, 3, 8, 4, 2, 3, 6, 9, 2, 3], 2, 2, 3) == [8, 4]
+    # Where no match has k tokens after it, the earliest (the most).
+    assert ngram_proposal([5, 5, 5, 5], 3, 1, 3) == [5]
+    assert ngram_proposal([1, 2, 3], 3, 2, 4) == []  # nothing occurs twice
+    assert ngram_proposal([1, 2, 1, 2], 0, 2, 4) == []
+
+
+def test_speculative_config_errors_name_the_field() -> None:
+    def refused(text: str) -> str:
+        with pytest.raises(ConfigError) as exc:
+            SpeculativeConfig.parse(text)
+        return str(exc.value)
+
+    assert "speculative_config.method" in refused('{"method": "eagle"}')
+    assert "speculative_config.num_speculative_tokens" in refused(
+        '{"num_speculative_tokens": 0}')
+    assert "speculative_config.model is not supported" in refused('{"model": "x"}')
+    assert "exceeds prompt_lookup_max" in refused(
+        '{"prompt_lookup_min": 5, "prompt_lookup_max": 3}')
+    assert "not valid JSON" in refused("{method: ngram}")
+    # vLLM's shape: prompt_lookup_max alone.
+    c = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, '
+                                '"prompt_lookup_max": 5}')
+    assert (c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == (3, 2, 5)
+
+
+def test_copying_output_takes_fewer_steps_with_the_same_tokens(tok: Tokenizer) -> None:
+    plain, e0 = outputs(tok, None, [copy_prompt(tok)], GREEDY)
+    spec, e1 = outputs(tok, NGRAM, [copy_prompt(tok)], GREEDY)
+    assert spec == plain
+    assert tok.decode(plain["r0"]) == EDIT  # then EOS, which decodes to nothing
+    assert len(plain["r0"]) == 21
+    assert (e0.num_steps, e1.num_steps) == (21, 7)
+    s = e1.spec
+    assert (s.drafts, s.draft_tokens, s.accepted_tokens) == (5, 20, 14)
+    assert s.accepted_per_position == [4, 4, 3, 3]
+    assert e0.spec.drafts == 0
+
+
+@pytest.mark.parametrize(("temperature", "frequency", "seed"),
+                         [(1.0, 0.0, 3), (1.0, 0.0, 11), (0.5, 0.4, 3)])
+def test_a_seeded_sampled_output_is_the_same_token_for_token(
+        tok: Tokenizer, temperature: float, frequency: float, seed: int) -> None:
+    """Each row is drawn as decoding draws it, with the uniform of (seed, index), and a
+    penalty sees the proposal's tokens before the row as output: the same tokens, only
+    fewer steps where the proposals are drawn."""
+    params = SamplingParams(temperature=temperature, seed=seed, max_tokens=80,
+                            ignore_eos=True, frequency_penalty=frequency)
+    accepted = 0
+    for text in (f"⟪say⟫{EDIT}⟪/say⟫ {SOURCE}", "def step(self):\n    return self.schedule()\n"):
+        plain, e0 = outputs(tok, None, [tok.encode(text * 2)], params)
+        spec, e1 = outputs(tok, NGRAM, [tok.encode(text * 2)], params)
+        assert spec == plain
+        assert e1.num_steps == e0.num_steps - e1.spec.accepted_tokens
+        accepted += e1.spec.accepted_tokens
+    assert accepted > 0
+
+
+def test_requests_with_and_without_proposals_share_a_batch(tok: Tokenizer) -> None:
+    off = SamplingParams(temperature=0.0, max_tokens=60, speculate=False)
+    e = make(tok, NGRAM)
+    e.add_request(copy_prompt(tok), GREEDY, "on")
+    e.add_request(copy_prompt(tok), off, "off")
+    got = tokens(drain(e))
+    solo, _ = outputs(tok, None, [copy_prompt(tok)], GREEDY)
+    assert got == {"on": solo["r0"], "off": solo["r0"]}
+    assert e.num_steps == 21  # the one that does not speculate sets the pace
+    assert e.spec.accepted_tokens == 14
+
+
+def test_no_proposal_past_max_tokens_or_past_a_stop(tok: Tokenizer) -> None:
+    for params in (SamplingParams(temperature=0.0, max_tokens=9),
+                   SamplingParams(temperature=0.0, max_tokens=60,
+                                  stop_token_ids=(tok.encode(EDIT)[10],))):
+        plain, _ = outputs(tok, None, [copy_prompt(tok)], params)
+        spec, e = outputs(tok, NGRAM, [copy_prompt(tok)], params)
+        assert spec == plain
+        assert e.pool.num_free == 64
+
+
+def test_a_rejected_proposal_gives_its_block_back_at_once(tok: Tokenizer) -> None:
+    e = make(tok, NGRAM)
+    e.add_request(copy_prompt(tok), GREEDY, "r")
+    req = e.requests["r"]
+    for _ in range(4):
+        e.step()
+    # 76 tokens computed, in 19 blocks: 0..18. The proposal of 4 takes positions 76..80:
+    # blocks 19 and 20. It is rejected at its first token (the version), so only 77 are
+    # computed: block 20 holds nothing kept and is free again, at the front of the list.
+    assert (req.num_computed, req.blocks) == (76, list(range(19)))
+    r = e.step()
+    assert (r.num_draft_tokens, r.num_accepted_tokens) == (4, 0)
+    assert req.num_computed == 77
+    assert req.blocks == list(range(20))
+    assert e.pool.ref_count(20) == 0
+    assert e.pool.free_list()[0] == 20
+
+
+def test_a_proposal_never_preempts_and_a_preempted_one_frees_every_block(
+        tok: Tokenizer) -> None:
+    """Two copying requests in a pool with no room to spare: a proposal that does not fit is
+    dropped rather than take a neighbour's blocks; where a request's own next token needs
+    a block, the most recent request is preempted, proposal and all, and every block is
+    free at the end. The tokens are those of a pool with room."""
+    prompts = [copy_prompt(tok), copy_prompt(tok)]
+    roomy, _ = outputs(tok, None, prompts, GREEDY)
+    tight, e = outputs(tok, NGRAM, prompts, GREEDY, num_blocks=40, max_model_len=128)
+    assert tight == roomy
+    assert e.statistics().preemptions == 1
+    assert e.spec.accepted_tokens > 0
+    assert e.pool.num_free == 40
+    assert all(e.pool.ref_count(b) == 0 for b in range(40))
+
+
+def test_a_hang_up_after_a_speculative_step_frees_every_block(tok: Tokenizer) -> None:
+    e = make(tok, NGRAM)
+    e.add_request(copy_prompt(tok), GREEDY, "r")
+    for _ in range(3):
+        e.step()
+    assert e.spec.accepted_tokens == 4
+    req = e.requests["r"]
+    held = list(req.blocks)
+    assert held == list(range(18))  # 71 tokens computed
+    (u,) = e.abort_request("r")
+    assert u.finish_reason == "abort"
+    assert e.pool.num_free == 64
+    # Its last block, partly filled and so holding no named prefix, is handed out first;
+    # its 17 full blocks, named for the prefix cache, last, the tail before the head.
+    free = e.pool.free_list()
+    assert free[0] == 17
+    assert free[-17:] == list(range(16, -1, -1))
