@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from nanoserve.config import EngineConfig
+from nanoserve.config import EngineConfig, SpeculativeConfig
 from nanoserve.engine.engine import Engine
 from nanoserve.engine.outputs import OutputBuilder, RequestOutput
 from nanoserve.model import Model, load
@@ -31,6 +31,7 @@ class LLM:
         distributed_timeout: float | None = None,
         distributed_heartbeat_timeout: float | None = None,
         int8_activations: bool = False,
+        speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
         **engine_kwargs: Any,
     ) -> None:
         """`tensor_parallel_size` > 1 shards the weights over that many processes
@@ -40,14 +41,19 @@ class LLM:
         `distributed_heartbeat_timeout`: seconds of silence after which a rank is taken as
         lost (default 5). A start that fails raises ModelStartError naming the rank.
         `int8_activations`: prefill-sized projections on 8-bit activations (model/int8.py),
-        faster and no longer token-identical."""
+        faster and no longer token-identical.
+        `speculative_config`: vLLM's (a dict, as its JSON), or a SpeculativeConfig:
+        speculative decoding (engine/speculative.py), the same tokens in fewer steps."""
         m, tok = load(model, device=device, dtype=dtype, stub_eos_prob=stub_eos_prob,
                       quantization=quantization, tensor_parallel_size=tensor_parallel_size,
                       distributed_backend=distributed_backend, tp_exact=tp_exact,
                       distributed_timeout=distributed_timeout,
                       distributed_heartbeat_timeout=distributed_heartbeat_timeout,
                       int8_activations=int8_activations)
-        self.engine = Engine(m, tok, EngineConfig(**engine_kwargs))
+        if isinstance(speculative_config, dict):
+            speculative_config = SpeculativeConfig.parse(speculative_config)
+        self.engine = Engine(m, tok, EngineConfig(speculative=speculative_config,
+                                                  **engine_kwargs))
 
     def close(self) -> None:
         """Release what the model holds outside this process (tensor-parallel ranks)."""

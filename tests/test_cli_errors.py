@@ -86,6 +86,12 @@ CASES: list[Any] = [
     # issue 42: -1 is "random" to llama.cpp; here it would be a fixed seed, silently
     ("nanoserve", _serve("--seed", "-1"),
      S + f"argument --seed: must be a seed: an integer from 0 to {INT64_MAX}, got -1"),
+    ("nanoserve", _serve("--speculative-config", '{"method": "eagle"}'),
+     S + "argument --speculative-config: speculative_config.method must be one of ngram, "
+     "got 'eagle'"),
+    ("nanoserve", _serve("--speculative-config", '{"num_speculative_tokens": 4,'),
+     S + "argument --speculative-config: speculative_config is not valid JSON: Expecting "
+     "property name enclosed in double quotes: line 1 column 30 (char 29)"),
     ("nanoserve", ["generate", "hi", "--model", "stub", "--seed", "-1"],
      G + f"argument --seed: must be a seed: an integer from 0 to {INT64_MAX}, got -1"),
     ("nanoserve", _serve("--quantization", "q4_0"),

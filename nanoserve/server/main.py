@@ -108,6 +108,10 @@ def _engine_args(g: argparse._ArgumentGroup) -> None:
     a("--max-num-batched-tokens", type=flags.positive_int, default=512)
     a("--max-model-len", type=flags.positive_int, default=None)
     a("--seed", type=flags.seed, default=0)
+    a("--speculative-config", type=flags.speculative_config, default=None,
+      help='speculative decoding, as vLLM\'s JSON: \'{"method": "ngram", '
+      '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (n-gram prompt lookup; '
+      'the tokens are the same as without it) [off]')
     a("--max-queue", type=flags.non_negative_int, default=1024,
       help="waiting requests beyond which new ones get 429")
 
@@ -155,7 +159,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         block_size=a.block_size, num_blocks=a.num_blocks, max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
-        seed=a.seed, **extra,
+        seed=a.seed, speculative=a.speculative_config, **extra,
     )
 
 

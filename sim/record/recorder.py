@@ -43,6 +43,7 @@ recording sessions, not for a server that runs for weeks.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -263,6 +264,8 @@ def engine_header(engine: Engine, max_queue: int | None) -> dict[str, Any]:
         "seed": cfg.seed, "max_model_len": engine.max_model_len,
         "prefix_caching": cfg.prefix_caching, "max_queue": max_queue,
     }  # fmt: skip
+    if cfg.speculative is not None:
+        out["speculative_config"] = dataclasses.asdict(cfg.speculative)
     eos_prob = getattr(engine.model, "eos_prob", None)  # the stub's only setting
     if isinstance(eos_prob, float):
         out["stub_eos_prob"] = eos_prob

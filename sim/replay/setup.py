@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from nanoserve.config import EngineConfig
+from nanoserve.config import EngineConfig, SpeculativeConfig
 from nanoserve.engine.outputs import StepResult
 from nanoserve.model.base import Model
 from nanoserve.tokenizer import Tokenizer
@@ -30,7 +30,7 @@ from sim.trace.format import TraceHeader
 DEFAULT_STEP_S = 0.02
 HONOURED_ENGINE_KEYS = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
                         "seed", "max_model_len", "prefix_caching", "max_queue",
-                        "stub_eos_prob", "model_sha256")
+                        "stub_eos_prob", "model_sha256", "speculative_config")
 CostFn = Callable[[StepResult], float]
 CostSpec = str | Path | float | int | dict[str, Any] | CostFn | None
 
@@ -84,6 +84,8 @@ def engine_config(header: TraceHeader, weights: Weights) -> EngineConfig:
         block_size=e["block_size"], num_blocks=e["num_blocks"], max_num_seqs=e["max_num_seqs"],
         max_num_batched_tokens=e["max_num_batched_tokens"], seed=e["seed"],
         max_model_len=max_len, prefix_caching=e.get("prefix_caching", True),
+        speculative=(SpeculativeConfig.parse(e["speculative_config"])
+                     if e.get("speculative_config") is not None else None),
     )
 
 

@@ -13,9 +13,11 @@ import math
 import re
 from typing import Any
 
+from nanoserve.config import ConfigError, SpeculativeConfig
+
 ENGINE_REQUIRED = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "seed")
 ENGINE_OPTIONAL = ("max_model_len", "prefix_caching", "max_queue", "stub_eos_prob",
-                   "model_sha256")
+                   "model_sha256", "speculative_config")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 # Known integer expectation fields and their minimums (status is an HTTP code).
@@ -70,6 +72,11 @@ def check_engine(engine: object) -> dict[str, Any]:
     if "prefix_caching" in engine and not isinstance(engine["prefix_caching"], bool):
         raise FieldError("engine.prefix_caching", "must be true or false, got "
                          f"{engine['prefix_caching']!r:.80}")
+    if "speculative_config" in engine:
+        try:
+            SpeculativeConfig.parse(engine["speculative_config"])
+        except ConfigError as exc:
+            raise FieldError("engine.speculative_config", str(exc)) from None
     if "stub_eos_prob" in engine:
         p = engine["stub_eos_prob"]
         if not is_number(p) or not 0 <= p <= 1:

@@ -1,4 +1,5 @@
-"""`nanoserve serve --record`: live traffic on a real socket, written as a trace, replayed.
+"""`nanoserve serve --record`: live traffic on a real socket, written as a trace, replayed
+(with speculative decoding too, at the end).
 
 The stub cases run an in-process Hypercorn on 127.0.0.1 under the gate clock, so the test
 decides which boundary every arrival and hang-up lands on and can assert exact `at_step`,
@@ -26,6 +27,7 @@ from support.server_harness import make_engine
 
 from nanoserve.bridge import AsyncEngine
 from nanoserve.bridge.clock import Clock, GateClock, LiveClock
+from nanoserve.config import SpeculativeConfig
 from nanoserve.engine.engine import Engine
 from nanoserve.server import ServerConfig, counter_ids, create_app, server_state
 from sim.record.recorder import TraceRecorder, model_sha256
@@ -661,3 +663,39 @@ def test_the_loader_checks_a_recorded_reading_pattern() -> None:
         with pytest.raises(TraceError, match=r'line 2: field "client.read.frames_by_step": .*'
                            + why.replace("[", r"\[").replace("]", r"\]")):
             loads_trace(line({"frames_by_step": bad}))
+
+
+# ------------------------------------------------------------ speculative decoding
+
+SPEC_SOURCE = '{"name": "nanoserve", "version": 3, "license": "MIT"}'
+SPEC_EDIT = SPEC_SOURCE.replace('"version": 3', '"version": 4')
+SPEC_COPY = f"⟪say⟫{SPEC_EDIT}⟪/say⟫ Rewrite this JSON with version 4: {SPEC_SOURCE}\n"
+SPEC_NGRAM = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4)
+
+
+async def test_a_speculative_trace_replays_to_its_digest(tmp_path: Path) -> None:
+    gate, path = GateClock(), tmp_path / "spec.jsonl"
+    async with recorded(make_engine(speculative=SPEC_NGRAM), gate, path) as (addr, _, _):
+        a = await Raw.post(addr, {"model": "stub", "prompt": SPEC_COPY, "max_tokens": 60,
+                                  "temperature": 0, "stream": True})
+        await settle()
+        b = await Raw.post(addr, {"model": "stub", "prompt": SPEC_COPY * 2, "max_tokens": 40,
+                                  "temperature": 1, "seed": 5})
+        await settle()
+        gate.release(60)
+        await a.read_all()
+        await b.read_all()
+        await settle()
+    trace = load_trace(path)
+    assert trace.header.engine["speculative_config"] == {
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+        "prompt_lookup_max": 4, "disable_by_batch_size": 4}
+    e = lines(trace)
+    # 21 tokens (the edited object, then EOS) in 7 steps, as in tests/test_speculative.py;
+    # the stream's frames are its steps, not its tokens.
+    assert (e["r1"]["completion_tokens"], e["r1"]["first_token_step"], e["r1"]["last_step"],
+            e["r1"]["frames"]) == (21, 1, 7, 7)
+    first = await replay_in_thread(path)
+    assert first.mismatches == ()
+    again = await replay_in_thread(path)
+    assert again.digest == first.digest
