@@ -19,8 +19,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
-from nanoserve.config import ConfigError, SpeculativeConfig
-
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
           "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "tb": 10**12}
@@ -153,10 +151,3 @@ def size_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be a size > 0, got {text!r}")
     return size
 
-
-def speculative_config(text: str) -> SpeculativeConfig:
-    """vLLM's `--speculative-config` JSON (engine/speculative.py)."""
-    try:
-        return SpeculativeConfig.parse(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None

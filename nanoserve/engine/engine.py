@@ -154,7 +154,7 @@ class Engine:
         w = ran.work
         self._prefill_tokens += w.prefill
         self._decode_tokens += w.decode
-        accepted = self.spec.count(ran)
+        accepted = self.spec.count(ran.requests, ran.tokens)
         done = tuple(self._update(req, toks, lps) for req, toks, lps in ran.draws())
         return StepResult(self.num_steps, done, preempted, w.prefill, w.decode,
                           w.prefill_seqs, w.decode_context, w.prefill_attention,
@@ -261,4 +261,5 @@ class Engine:
             finished=self._finished,
             aborted=self._aborted,
             failed=self._failed,
+            spec=None if self.config.speculative is None else self.spec.stats(),
         )

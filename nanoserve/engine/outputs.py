@@ -41,6 +41,17 @@ class StepResult:
 
 
 @dataclass(frozen=True, slots=True)
+class SpecStats:
+    """Speculative decoding's counters (engine/speculative.py), vLLM's: proposals checked,
+    their tokens, the tokens kept, and those kept at each position of a proposal."""
+
+    drafts: int
+    draft_tokens: int
+    accepted_tokens: int
+    accepted_per_position: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class EngineStats:
     steps: int
     running: int
@@ -56,6 +67,7 @@ class EngineStats:
     finished: int
     aborted: int
     failed: int
+    spec: SpecStats | None = None  # None: the engine does not speculate
 
 
 @dataclass(frozen=True, slots=True)

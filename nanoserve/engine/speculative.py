@@ -31,9 +31,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from nanoserve.engine.outputs import SpecStats
+
 if TYPE_CHECKING:
     from nanoserve.engine.request import Request
-    from nanoserve.engine.runner import Ran
 
 
 def ngram_proposal(tokens: Sequence[int], k: int, low: int, high: int) -> list[int]:
@@ -78,10 +79,11 @@ class SpecCounters:
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
 
-    def count(self, ran: Ran) -> int:
-        """Count a step's checked proposals; returns the tokens kept of them."""
+    def count(self, requests: Sequence[Request], tokens_kept: Sequence[list[int]]) -> int:
+        """Count a step's checked proposals (each request's, with the tokens it kept);
+        returns the proposed tokens kept."""
         kept_all = 0
-        for req, tokens in zip(ran.requests, ran.tokens, strict=True):
+        for req, tokens in zip(requests, tokens_kept, strict=True):
             if not req.draft:
                 continue
             kept = len(tokens) - 1
@@ -94,3 +96,7 @@ class SpecCounters:
                 self.accepted_per_position[i] += 1
         self.accepted_tokens += kept_all
         return kept_all
+
+    def stats(self) -> SpecStats:
+        return SpecStats(self.drafts, self.draft_tokens, self.accepted_tokens,
+                         tuple(self.accepted_per_position))

@@ -38,7 +38,7 @@ from prometheus_client.metrics_core import (
 from prometheus_client.openmetrics import exposition as openmetrics
 
 from nanoserve.bridge import BridgeStats
-from nanoserve.engine.outputs import EngineStats, StepResult
+from nanoserve.engine.outputs import EngineStats, SpecStats, StepResult
 
 PREFIX = "nanoserve:"
 # vLLM's bucket bounds, in seconds (vllm/v1/metrics/loggers.py).
@@ -193,6 +193,8 @@ class _Collector:
                   e.prefix_hits if e else 0)
         yield one(CounterMetricFamily, "num_preemptions", "Preemptions by the scheduler.",
                   bridge.preemptions if bridge else 0)
+        if e is not None and e.spec is not None:
+            yield from _speculative(one, labels, values, e.spec)
         yield one(CounterMetricFamily, "prompt_tokens", "Prompt tokens of finished requests.",
                   m.prompt_tokens)
         yield one(CounterMetricFamily, "generation_tokens", "Generated tokens.",
@@ -207,3 +209,19 @@ class _Collector:
         yield histogram("e2e_request_latency_seconds", "Arrival to last token.", m.e2e)
         yield histogram("request_queue_time_seconds", "Arrival to the step of the first "
                         "token.", m.queue)
+
+
+def _speculative(one: Callable[..., Metric], labels: list[str], values: list[str],
+                 spec: SpecStats) -> Iterator[Metric]:
+    """vLLM's speculative-decoding counters, where the engine speculates."""
+    yield one(CounterMetricFamily, "spec_decode_num_drafts", "Proposals checked.", spec.drafts)
+    yield one(CounterMetricFamily, "spec_decode_num_draft_tokens", "Proposed tokens checked.",
+              spec.draft_tokens)
+    yield one(CounterMetricFamily, "spec_decode_num_accepted_tokens", "Proposed tokens kept.",
+              spec.accepted_tokens)
+    per = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                              "Proposed tokens kept, by position in the proposal.",
+                              labels=[*labels, "position"])
+    for position, count in enumerate(spec.accepted_per_position):
+        per.add_metric([*values, str(position)], count)
+    yield per

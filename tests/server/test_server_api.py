@@ -27,6 +27,7 @@ from support.server_harness import (
 )
 
 from nanoserve.bridge.clock import GateClock, StepClock
+from nanoserve.config import SpeculativeConfig
 from nanoserve.engine.engine import Engine
 from nanoserve.server import ServerConfig, create_app, server_state
 from nanoserve.server.metrics import TTFT_BUCKETS
@@ -264,6 +265,29 @@ async def test_metrics_exposition() -> None:
         assert [float(b) for b in ttft_bounds] == [*TTFT_BUCKETS, math.inf]
     names = {f.name for f in text_string_to_metric_families(text)}
     assert "process_resident_memory_bytes" in names  # the process collector, as vLLM's
+
+
+async def test_speculative_decoding_counters_on_metrics_with_vllms_names() -> None:
+    """Where the engine speculates, /metrics has vLLM's spec_decode families: on the copy
+    workload of tests/test_speculative.py, 5 proposals of 4 tokens, 14 kept."""
+    source = '{"name": "nanoserve", "version": 3, "license": "MIT"}'
+    edit = source.replace('"version": 3', '"version": 4')
+    spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2,
+                             prompt_lookup_max=4)
+    async with serving(make_app(make_engine(speculative=spec))) as h:
+        body = {"model": "stub", "prompt": f"⟪say⟫{edit}⟪/say⟫ Rewrite this JSON with "
+                f"version 4: {source}\n", "max_tokens": 60, "temperature": 0}
+        assert (await h.post("/v1/completions", body)).json()["choices"][0]["text"] == edit
+        text = (await h.request("GET", "/metrics")).body.decode()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    lbl = (("model_name", "stub"),)
+    assert samples[("nanoserve:spec_decode_num_drafts_total", lbl)] == 5
+    assert samples[("nanoserve:spec_decode_num_draft_tokens_total", lbl)] == 20
+    assert samples[("nanoserve:spec_decode_num_accepted_tokens_total", lbl)] == 14
+    assert [samples[("nanoserve:spec_decode_num_accepted_tokens_per_pos_total",
+                     (("model_name", "stub"), ("position", str(i))))] for i in range(4)] == \
+        [4, 4, 3, 3]
 
 
 async def test_tokenize_detokenize_and_models_agree_with_usage() -> None:
