@@ -33,8 +33,9 @@ from pathlib import Path
 import torch
 
 from nanoserve import flags
-from nanoserve.config import ConfigError, EngineConfig
+from nanoserve.config import ConfigError, EngineConfig, SpeculativeConfig, speculative_config_arg
 from nanoserve.engine.engine import Engine
+from nanoserve.engine.outputs import EngineStats
 from nanoserve.llm import LLM
 from nanoserve.model import Model, load
 from nanoserve.model.native import Kernels
@@ -42,6 +43,7 @@ from nanoserve.model.preflight import check_device, check_int8_activations, chec
 from nanoserve.model.quant import CHOICES
 from nanoserve.sampling.params import SamplingParams
 from nanoserve.tokenizer import Tokenizer
+from nanoserve.workloads import copy_prompts
 
 Figures = dict[str, float | int | str]  # a run's figures by name, as the JSON line prints them
 
@@ -87,6 +89,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="sequences of the batched decode measurement, 128-token prompts and "
                         "64 tokens out, prefill excluded: llama-batched-bench's TG (0 skips)")
     p.add_argument("--quiet", action="store_true", help="no progress bar (shown on a terminal)")
+    p.add_argument("--speculative-config", type=speculative_config_arg, default=None,
+                   help="speculative decoding, as serve's flag (vLLM's JSON); the run then "
+                   "prints its acceptance and tokens a step")
+    p.add_argument("--workload", choices=("random", "copy"), default="random",
+                   help="random: --n prompts of random tokens; copy: nanoserve/workloads.py's "
+                   "36 prompts whose answers copy from them, --out-max tokens each")
 
 
 def _best_of(fn: Callable[[], object], times: int) -> float:
@@ -195,11 +203,12 @@ def step_overhead(model: Model, tok: Tokenizer, prompt: list[int], n: int) -> Fi
     return best
 
 
-def single_stream(model: Model, tok: Tokenizer, prompt: list[int], n: int) -> float:
+def single_stream(model: Model, tok: Tokenizer, prompt: list[int], n: int,
+                  speculative: SpeculativeConfig | None = None) -> float:
     """Decode tokens/s of one sequence alone (after its prefill step), in steady state: one
     short decode first, untimed, as llama-bench warms up (right after the yardsticks' 512 MB
     copy the first decode ran 20% slower: fresh pages and cold caches)."""
-    engine = Engine(model, tok, EngineConfig())
+    engine = Engine(model, tok, EngineConfig(speculative=speculative))
     for tokens in (min(n, 8), n):
         engine.add_request(prompt, SamplingParams(temperature=0.0, ignore_eos=True,
                                                   max_tokens=tokens))
@@ -227,7 +236,7 @@ def batched_decode(model: Model, tok: Tokenizer, seqs: int, prompt_len: int, n: 
         pass
     decoded, t0 = 0, time.perf_counter()
     while engine.has_unfinished():
-        decoded += engine.step().num_decode_tokens
+        decoded += sum(len(u.new_token_ids) for u in engine.step().updates)
     return decoded / (time.perf_counter() - t0) if decoded else 0.0
 
 
@@ -263,7 +272,8 @@ def check(a: argparse.Namespace) -> EngineConfig:
     check_device(a.device)
     if a.int8_activations:
         check_int8_activations(a.model, a.tensor_parallel_size, a.device)
-    cfg = EngineConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens)
+    cfg = EngineConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                       speculative=a.speculative_config)
     context = check_model(a.model, a.dtype, a.tensor_parallel_size, cfg, a.device).max_model_len
     runs = [("--prompt-max", a.prompt_max, "--out-max", a.out_max)]
     if a.model != "stub":  # the lines below run on real weights only
@@ -283,11 +293,17 @@ def run(a: argparse.Namespace) -> Figures:
     cfg = check(a)
     model, tok = _load(a)
     llm = LLM.from_parts(model, tok, cfg)
-    reqs = workload(a.seed, a.n, model.config.vocab_size, a.prompt_min, a.prompt_max,
-                    a.out_min, a.out_max)
+    if a.workload == "copy":
+        reqs = [(tok.encode_prompt(t), a.out_max) for t in copy_prompts()]
+    else:
+        reqs = workload(a.seed, a.n, model.config.vocab_size, a.prompt_min, a.prompt_max,
+                        a.out_min, a.out_max)
     result = _throughput_line(a, llm, model, reqs)
+    if cfg.speculative is not None:
+        result |= _speculative_line(llm.engine.statistics(), result)
     if a.single_tokens > 1 and a.model != "stub":
-        result |= _single_line(model, tok, reqs[0][0][:_SINGLE_PROMPT], a.single_tokens)
+        first = reqs[0][0] if a.workload == "copy" else reqs[0][0][:_SINGLE_PROMPT]
+        result |= _single_line(model, tok, first, a.single_tokens, cfg.speculative)
         if a.profile:
             o = step_overhead(model, tok, reqs[0][0][:_SINGLE_PROMPT], a.single_tokens)
             print(f"batch-1 step: {o['step_ms']:.2f} ms = model {o['model_ms']:.2f} ms + engine "
@@ -349,7 +365,23 @@ def _throughput_line(a: argparse.Namespace, llm: LLM, model: Model,
     }
 
 
-def _single_line(model: Model, tok: Tokenizer, prompt: list[int], tokens: int) -> Figures:
+def _speculative_line(stats: EngineStats, run: Figures) -> Figures:
+    """The run's speculative decoding: the share of proposed tokens kept, and the tokens a
+    request gained a step (its own and the proposal's kept ones, over the steps it ran)."""
+    spec = stats.spec
+    assert spec is not None
+    rate = spec.accepted_tokens / spec.draft_tokens if spec.draft_tokens else 0.0
+    gained = (spec.drafts + spec.accepted_tokens) / spec.drafts if spec.drafts else 1.0
+    print(f"speculative: {spec.accepted_tokens} of {spec.draft_tokens} proposed tokens kept "
+          f"({rate:.0%}), by position {list(spec.accepted_per_position)}; a checked proposal "
+          f"gave {gained:.2f} tokens a step; {run['output_tokens_per_s']} output tok/s")
+    return {"spec_draft_tokens": spec.draft_tokens, "spec_accepted_tokens": spec.accepted_tokens,
+            "spec_acceptance": round(rate, 3), "spec_tokens_per_checked_step": round(gained, 3),
+            "spec_accepted_per_position": ",".join(map(str, spec.accepted_per_position))}
+
+
+def _single_line(model: Model, tok: Tokenizer, prompt: list[int], tokens: int,
+                 speculative: SpeculativeConfig | None = None) -> Figures:
     """Batch-1 decode against the memory-bandwidth bound (module docstring): its figures,
     and its line printed."""
     weight_bytes = model.weight_bytes()  # type: ignore[attr-defined]  # real weights
@@ -359,7 +391,7 @@ def _single_line(model: Model, tok: Tokenizer, prompt: list[int], tokens: int) -
     # and, for the record, from DRAM (four times the cache) and by a copy (read + write).
     # The decode first: run after the yardsticks' 350 MB of fresh pages, SmolLM2's decode
     # came out at 149 and 156 tok/s where runs without them gave 158-161.
-    single = single_stream(model, tok, prompt, tokens)
+    single = single_stream(model, tok, prompt, tokens, speculative)
     read = read_bandwidth(weight_bytes, kernels)
     dram = read_bandwidth(max(4 * last_level_cache_bytes(), 256 << 20), kernels)
     bw = copy_bandwidth()

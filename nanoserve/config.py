@@ -9,6 +9,7 @@ it again, with the same words, from the loaded model.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import re
@@ -94,6 +95,14 @@ class SpeculativeConfig:
         if isinstance(high, int) and "prompt_lookup_min" not in fields:
             fields = {**fields, "prompt_lookup_min": min(high, LOOKUP_MIN)}
         return cls(**fields)
+
+
+def speculative_config_arg(text: str) -> SpeculativeConfig:
+    """`--speculative-config` (serve's and bench's): vLLM's JSON, or argparse's one line."""
+    try:
+        return SpeculativeConfig.parse(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 @dataclass(frozen=True, slots=True)

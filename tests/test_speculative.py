@@ -188,3 +188,25 @@ def test_a_hang_up_after_a_speculative_step_frees_every_block(tok: Tokenizer) ->
     free = e.pool.free_list()
     assert free[0] == 17
     assert free[-17:] == list(range(16, -1, -1))
+
+
+def test_real_weights_greedy_output_is_the_same_with_proposals(
+        smollm2_any: object, smollm2_tokenizer: Tokenizer) -> None:
+    """SmolLM2, float32 and on its GGUF's blocks: a row checked inside a chunk of k + 1
+    gets the logits it gets alone (the kernels' rows do not depend on their neighbours),
+    so the greedy tokens are decoding's, on copy prompts where most proposals are kept."""
+    from nanoserve.workloads import copy_prompts
+
+    tok = smollm2_tokenizer
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    prompts = [tok.encode_prompt(copy_prompts()[i]) for i in (0, 13, 26)]
+    got = {}
+    for spec in (None, NGRAM):
+        e = Engine(smollm2_any, tok, EngineConfig(block_size=16, num_blocks=64,  # type: ignore[arg-type]
+                                                   max_model_len=1024, speculative=spec))
+        for i, p in enumerate(prompts):
+            e.add_request(p, params, f"r{i}")
+        got[spec is not None] = tokens(drain(e))
+        if spec is not None:
+            assert e.spec.accepted_tokens > e.spec.draft_tokens // 2
+    assert got[True] == got[False]

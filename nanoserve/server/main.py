@@ -33,7 +33,7 @@ import trio
 
 from nanoserve import flags
 from nanoserve.bridge.clock import LiveClock
-from nanoserve.config import ConfigError, EngineConfig, SpeculativeConfig
+from nanoserve.config import ConfigError, EngineConfig, speculative_config_arg
 from nanoserve.engine.engine import Engine
 from nanoserve.model.base import ModelStartError
 from nanoserve.model.parallel import BACKENDS, DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_TIMEOUT_S
@@ -108,20 +108,12 @@ def _engine_args(g: argparse._ArgumentGroup) -> None:
     a("--max-num-batched-tokens", type=flags.positive_int, default=512)
     a("--max-model-len", type=flags.positive_int, default=None)
     a("--seed", type=flags.seed, default=0)
-    a("--speculative-config", type=_speculative_config, default=None,
+    a("--speculative-config", type=speculative_config_arg, default=None,
       help='speculative decoding, as vLLM\'s JSON: \'{"method": "ngram", '
       '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (n-gram prompt lookup; '
       'the tokens are the same as without it) [off]')
     a("--max-queue", type=flags.non_negative_int, default=1024,
       help="waiting requests beyond which new ones get 429")
-
-
-def _speculative_config(text: str) -> SpeculativeConfig:
-    """vLLM's `--speculative-config` JSON (engine/speculative.py)."""
-    try:
-        return SpeculativeConfig.parse(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _http_args(g: argparse._ArgumentGroup) -> None:
