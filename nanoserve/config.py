@@ -50,13 +50,16 @@ class SpeculativeConfig:
     of `prompt_lookup_min`..`prompt_lookup_max` tokens that ends the sequence and occurs
     earlier in it. `disable_by_batch_size` (vLLM's name): no proposals on a step with more
     decoding sequences than that (a wide batch is compute-bound, and k + 1 rows a sequence
-    cost it k more)."""
+    cost it k more). `adaptive`: each request's proposals as long as pays, by how its own
+    have gone (engine/speculative.py's proposal_length; none where none pays); False
+    proposes num_speculative_tokens wherever the n-gram has them, as vLLM does."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = LOOKUP_MIN
     prompt_lookup_max: int = 4
     disable_by_batch_size: int = 4
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -68,6 +71,9 @@ class SpeculativeConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"speculative_config.{name} must be an integer >= 1, got "
                                   f"{value!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ConfigError(f"speculative_config.adaptive must be true or false, got "
+                              f"{self.adaptive!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ConfigError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) "
                               f"exceeds prompt_lookup_max ({self.prompt_lookup_max})")

@@ -22,7 +22,10 @@ from nanoserve.tokenizer import Tokenizer
 SOURCE = '{"name": "nanoserve", "version": 3, "license": "MIT"}'
 EDIT = SOURCE.replace('"version": 3', '"version": 4')
 GREEDY = SamplingParams(temperature=0.0, max_tokens=60)
-NGRAM = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4)
+# Always 4 tokens where the n-gram has them (vLLM's rule): the mechanics' tests count on it.
+NGRAM = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4,
+                          adaptive=False)
+ADAPTIVE = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4)
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +97,29 @@ def test_copying_output_takes_fewer_steps_with_the_same_tokens(tok: Tokenizer) -
     assert (s.drafts, s.draft_tokens, s.accepted_tokens) == (5, 20, 14)
     assert s.accepted_per_position == [4, 4, 3, 3]
     assert e0.spec.drafts == 0
+
+
+def test_adaptive_proposals_grow_where_kept_and_stop_where_not(tok: Tokenizer) -> None:
+    """The default policy: a request's proposals as long as its own record says pays
+    (speculative.proposal_length). On the copy prompt they start at one token and grow as
+    they are kept; on text the stub does not repeat, they stop after a few rejections where
+    vLLM's rule keeps proposing 4 at every n-gram hit. The tokens are the same either way."""
+    copy, e = outputs(tok, ADAPTIVE, [copy_prompt(tok)], GREEDY)
+    plain, _ = outputs(tok, None, [copy_prompt(tok)], GREEDY)
+    assert copy == plain
+    assert e.num_steps == 8
+    assert (e.spec.drafts, e.spec.draft_tokens, e.spec.accepted_tokens) == (6, 17, 13)
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=120, ignore_eos=True)
+    text = [tok.encode("def step(self):\n    return self.schedule()\n" * 2)]
+    fixed, e_fixed = outputs(tok, NGRAM, text, params)
+    adaptive, e_adaptive = outputs(tok, ADAPTIVE, text, params)
+    assert adaptive == fixed
+    # Four proposals of 4, none kept, against three of one token: the rate fell below what
+    # a one-token proposal pays for (0.3 and up) after the third, then drifts back slowly.
+    assert (e_fixed.spec.drafts, e_fixed.spec.draft_tokens, e_fixed.spec.accepted_tokens) == \
+        (4, 16, 0)
+    assert (e_adaptive.spec.drafts, e_adaptive.spec.draft_tokens,
+            e_adaptive.spec.accepted_tokens) == (3, 3, 0)
 
 
 @pytest.mark.parametrize(("temperature", "frequency", "seed"),

@@ -89,8 +89,8 @@ def build_batch(
         req = s.request
         n = s.num_tokens
         tokens = req.token_ids
-        last = len(tokens)  # a proposal's tokens are computed after the request's own
-        if req.draft:
+        last = len(tokens)
+        if req.draft:  # a proposal's tokens are computed after the request's own
             tokens = tokens + req.draft
         start = req.num_computed
         end = start + n
@@ -104,6 +104,26 @@ def build_batch(
                 prompt.requests.append(req)
                 logits_indices.append(len(input_ids) + p - start)
         blocks = req.blocks
+        group_seed = group_params[req.group].seed
+        if req.draft:
+            # A proposal is checked as k + 1 decode rows of one sequence, not as a chunk:
+            # row j attends to the keys up to its own position (its context length), all
+            # of them in the cache once the step has stored the rows' keys, which it does
+            # before any row attends. So each row is computed as decoding computes it, by
+            # the batch-1 path's kernels (model/csrc/stack.cpp), at a decode row's cost.
+            sample_rows.append(len(logits_indices))
+            samplers.append(req)
+            for p in range(start, end):
+                logits_indices.append(len(input_ids))
+                input_ids.append(tokens[p])
+                positions.append(p)
+                slots.append(blocks[p // bs] * bs + p % bs)
+                query_lens.append(1)
+                context_lens.append(p + 1)
+                block_tables.append(blocks)
+                histories.append(tokens)
+                seeds.append(group_seed if group_seed is not None else 0)
+            continue
         if n == 1:  # a decode row: the common case, without the loops
             input_ids.append(tokens[start])
             positions.append(start)
@@ -121,12 +141,10 @@ def build_batch(
         histories.append(tokens)
         # The stub's logits follow the caller's seed: all n completions of a request
         # see the same model, as they would with real weights.
-        group_seed = group_params[req.group].seed
         seeds.append(group_seed if group_seed is not None else 0)
-        if end >= last:  # s.samples: this step reaches its last token
-            # One row after its last token, and one after each token of its proposal.
+        if end == last:  # s.samples: this step reaches its last token
             sample_rows.append(len(logits_indices))
-            logits_indices.extend(range(len(input_ids) - 1 - (end - last), len(input_ids)))
+            logits_indices.append(len(input_ids) - 1)
             samplers.append(req)
     b = ForwardBatch(input_ids, positions, slots, query_lens, context_lens, block_tables,
                      logits_indices, histories, seeds)

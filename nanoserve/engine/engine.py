@@ -17,7 +17,15 @@ from nanoserve.engine.parallel_sampling import ParentRequests, share_prompt, unf
 from nanoserve.engine.request import FinishReason, Request, Status, Update, check_unused
 from nanoserve.engine.runner import ModelRunner
 from nanoserve.engine.scheduler import Schedule, Scheduler, SchedulerFactory
-from nanoserve.engine.speculative import SpecCounters, ngram_proposal, speculates
+from nanoserve.engine.speculative import (
+    DRIFT,
+    PRIOR,
+    SpecCounters,
+    follow,
+    ngram_proposal,
+    proposal_length,
+    speculates,
+)
 from nanoserve.engine.stop import Ending, take_token
 from nanoserve.model.base import Model, ModelLost
 from nanoserve.sampling.grammar import GrammarError, Grammars
@@ -173,8 +181,11 @@ class Engine:
             return []
         drafted = []
         for r in decoding:
-            k = min(spec.num_speculative_tokens, r.max_tokens - r.num_output - 1)
+            most = spec.num_speculative_tokens
+            k = min(proposal_length(r.spec_rate, most) if spec.adaptive else most,
+                    r.max_tokens - r.num_output - 1)
             if k < 1 or not speculates(r):
+                r.spec_rate += DRIFT * (PRIOR - r.spec_rate)
                 continue
             r.draft = ngram_proposal(r.token_ids, k, spec.prompt_lookup_min,
                                      spec.prompt_lookup_max)
@@ -214,6 +225,7 @@ class Engine:
                 self._failed += ending.reason is FinishReason.ERROR
                 return self._finish(req, ending, tuple(tokens[:i + 1]))
         if req.draft:
+            req.spec_rate = follow(req.spec_rate, len(req.draft), len(tokens) - 1)
             req.num_computed += len(tokens) - 1
             self.kv.commit(req)
             self.kv.trim(req)

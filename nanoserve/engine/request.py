@@ -79,6 +79,9 @@ class Request:
     # Tokens proposed to follow token_ids, checked this step (engine/speculative.py); only
     # ever set from a step's proposals to its end.
     draft: list[int] = field(default_factory=list)
+    # The chance that a proposed token is kept, as this request's proposals have gone
+    # (engine/speculative.py's policy); starts at its PRIOR.
+    spec_rate: float = 0.5
 
     def __post_init__(self) -> None:
         if not self.token_ids:

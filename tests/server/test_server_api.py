@@ -269,7 +269,7 @@ async def test_metrics_exposition() -> None:
 
 async def test_speculative_decoding_counters_on_metrics_with_vllms_names() -> None:
     """Where the engine speculates, /metrics has vLLM's spec_decode families: on the copy
-    workload of tests/test_speculative.py, 5 proposals of 4 tokens, 14 kept."""
+    workload of tests/test_speculative.py, 6 proposals of 17 tokens, 13 kept."""
     source = '{"name": "nanoserve", "version": 3, "license": "MIT"}'
     edit = source.replace('"version": 3', '"version": 4')
     spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2,
@@ -282,12 +282,12 @@ async def test_speculative_decoding_counters_on_metrics_with_vllms_names() -> No
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for f in text_string_to_metric_families(text) for s in f.samples}
     lbl = (("model_name", "stub"),)
-    assert samples[("nanoserve:spec_decode_num_drafts_total", lbl)] == 5
-    assert samples[("nanoserve:spec_decode_num_draft_tokens_total", lbl)] == 20
-    assert samples[("nanoserve:spec_decode_num_accepted_tokens_total", lbl)] == 14
+    assert samples[("nanoserve:spec_decode_num_drafts_total", lbl)] == 6
+    assert samples[("nanoserve:spec_decode_num_draft_tokens_total", lbl)] == 17
+    assert samples[("nanoserve:spec_decode_num_accepted_tokens_total", lbl)] == 13
     assert [samples[("nanoserve:spec_decode_num_accepted_tokens_per_pos_total",
                      (("model_name", "stub"), ("position", str(i))))] for i in range(4)] == \
-        [4, 4, 3, 3]
+        [6, 4, 3, 0]
 
 
 async def test_tokenize_detokenize_and_models_agree_with_usage() -> None:

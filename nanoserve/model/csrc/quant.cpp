@@ -612,8 +612,8 @@ constexpr int accumulators() {
 // registers and used at once: nothing goes through memory but the blocks and x (which stays
 // in L1). Each accumulator sums its units in order, however many units a block holds.
 template <class F, int R>
-inline void rows_dot(const float* x, int64_t xs, const uint8_t* row, int64_t nb, float* out,
-                     int64_t os) {
+NS_INLINE void rows_dot(const float* x, int64_t xs, const uint8_t* row, int64_t nb, float* out,
+                        int64_t os) {
   constexpr int A = accumulators<R>();
   vf a[R][A] = {};
   for (int64_t b = 0; b < nb; ++b) {

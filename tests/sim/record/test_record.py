@@ -689,12 +689,12 @@ async def test_a_speculative_trace_replays_to_its_digest(tmp_path: Path) -> None
     trace = load_trace(path)
     assert trace.header.engine["speculative_config"] == {
         "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
-        "prompt_lookup_max": 4, "disable_by_batch_size": 4}
+        "prompt_lookup_max": 4, "disable_by_batch_size": 4, "adaptive": True}
     e = lines(trace)
-    # 21 tokens (the edited object, then EOS) in 7 steps, as in tests/test_speculative.py;
+    # 21 tokens (the edited object, then EOS) in 8 steps, as in tests/test_speculative.py;
     # the stream's frames are its steps, not its tokens.
     assert (e["r1"]["completion_tokens"], e["r1"]["first_token_step"], e["r1"]["last_step"],
-            e["r1"]["frames"]) == (21, 1, 7, 7)
+            e["r1"]["frames"]) == (21, 1, 8, 8)
     first = await replay_in_thread(path)
     assert first.mismatches == ()
     again = await replay_in_thread(path)
