@@ -160,6 +160,9 @@ def _sampling_model(served: str, b: Bounds) -> type[Body]:
         min_tokens: Annotated[Int | None, schema(minimum=0,
                                                        description="at most max_tokens")] = None
         ignore_eos: Bool | None = None
+        speculate: Annotated[Bool | None, schema(
+            description="false: no speculative proposals for this request (the tokens are "
+            "the same; only their pace differs)")] = None
         stop_token_ids: list[TokenId] | None = None
         stop: Annotated[StopStr | Annotated[list[StopStr], schema(maxItems=MAX_STOP)] | None,
                         Field(union_mode="left_to_right")] = None

@@ -46,7 +46,7 @@ _SAMPLING_FIELDS = (
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "ignore_eos",
     "stop_token_ids", "stop", "include_stop_str_in_output", "skip_special_tokens",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-    "prompt_logprobs",
+    "prompt_logprobs", "speculate",
 )  # fmt: skip
 _REFUSED = ("functions", "function_call", "suffix")  # the legacy function calling too
 _COMPLETION_REFUSED = ("tools", "tool_choice")  # tools are chat's

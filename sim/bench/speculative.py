@@ -12,8 +12,8 @@ honoured and at most --max-tokens tokens a prompt.
   tokens of the two must be the same, prompt by prompt;
 - llama-server, speculation off (`--spec-type none`) and on (`ngram-simple`, n-grams of
   --lookup tokens, --k drafted), the same prompts one at a time;
-- 16 streams: the first 16 copy prompts at once, output tokens over the wall time,
-  speculation off and on.
+- streams (--streams, 16 by default): the first N copy prompts at once, output tokens
+  over the wall time, speculation off and on.
 
 The table at the end sets each figure beside its peer; --out writes them all as JSON.
 """
@@ -87,14 +87,19 @@ def nanoserve_batch1(engine: Engine, prompts: list[list[int]], params: SamplingP
 
 
 def nanoserve_streams(engine: Engine, prompts: list[list[int]], params: SamplingParams,
-                      spec: SpeculativeConfig | None) -> float:
+                      spec: SpeculativeConfig | None) -> dict[str, float]:
+    """All `prompts` at once: output tok/s over the wall time, the steps it took, and the
+    rows they computed (a cost that does not drift with the host)."""
     engine.config = dataclasses.replace(engine.config, speculative=spec)
     for p in prompts:
         engine.add_request(p, params)
-    t0, n = time.perf_counter(), 0
+    t0, n, steps, rows = time.perf_counter(), 0, 0, 0
     while engine.has_unfinished():
-        n += sum(len(u.new_token_ids) for u in engine.step().updates)
-    return round(n / (time.perf_counter() - t0), 2)
+        r = engine.step()
+        n += sum(len(u.new_token_ids) for u in r.updates)
+        steps += 1
+        rows += r.num_prefill_tokens + r.num_decode_tokens
+    return {"tok_s": round(n / (time.perf_counter() - t0), 2), "steps": steps, "rows": rows}
 
 
 def llama_server(bins: Path, gguf: Path, port: int, args: argparse.Namespace, spec: bool,
@@ -132,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lookup", type=int, default=3, help="longest n-gram looked up [3]")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--no-llama", action="store_true", help="nanoserve only")
+    p.add_argument("--streams", type=int, nargs="*", default=[16],
+                   help="concurrent copy prompts of the throughput lines [16]")
+    p.add_argument("--no-open", action="store_true", help="skip the open questions")
+    p.add_argument("--no-copy", action="store_true", help="skip the copy prompts at batch 1")
     p.add_argument("--port", type=int, default=8197)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
@@ -145,15 +154,18 @@ def main(argv: list[str] | None = None) -> int:
     _decode(engine, copy[0], params)  # warm-up
     r: dict[str, Any] = {"model": args.model, "k": args.k, "lookup": args.lookup,
                          "date": time.strftime("%Y-%m-%d")}
-    r["copy"] = nanoserve_batch1(engine, copy, params, spec)
-    print(f"copy, batch 1: {r['copy']}", flush=True)
+    if not args.no_copy:
+        r["copy"] = nanoserve_batch1(engine, copy, params, spec)
+        print(f"copy, batch 1: {r['copy']}", flush=True)
     # The open answers run their full length: SmolLM2 ends some of them at once.
-    r["open"] = nanoserve_batch1(engine, open_, dataclasses.replace(params, ignore_eos=True),
-                                 spec)
-    print(f"open, batch 1: {r['open']}", flush=True)
-    r["streams16"] = {"off": nanoserve_streams(engine, copy[:16], params, None),
-                      "on": nanoserve_streams(engine, copy[:16], params, spec)}
-    print(f"16 streams: {r['streams16']}", flush=True)
+    if not args.no_open:
+        r["open"] = nanoserve_batch1(engine, open_,
+                                     dataclasses.replace(params, ignore_eos=True), spec)
+        print(f"open, batch 1: {r['open']}", flush=True)
+    for b in args.streams:
+        r[f"streams{b}"] = {"off": nanoserve_streams(engine, copy[:b], params, None),
+                            "on": nanoserve_streams(engine, copy[:b], params, spec)}
+        print(f"{b} streams: {r[f'streams{b}']}", flush=True)
     s = engine.statistics().spec
     if not args.no_llama:
         gguf = embedded_path(args.model)

@@ -269,7 +269,8 @@ async def test_metrics_exposition() -> None:
 
 async def test_speculative_decoding_counters_on_metrics_with_vllms_names() -> None:
     """Where the engine speculates, /metrics has vLLM's spec_decode families: on the copy
-    workload of tests/test_speculative.py, 6 proposals of 17 tokens, 13 kept."""
+    workload of tests/test_speculative.py, 6 proposals of 17 tokens, 13 kept; none from a
+    request with `"speculate": false`."""
     source = '{"name": "nanoserve", "version": 3, "license": "MIT"}'
     edit = source.replace('"version": 3', '"version": 4')
     spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2,
@@ -278,6 +279,11 @@ async def test_speculative_decoding_counters_on_metrics_with_vllms_names() -> No
         body = {"model": "stub", "prompt": f"⟪say⟫{edit}⟪/say⟫ Rewrite this JSON with "
                 f"version 4: {source}\n", "max_tokens": 60, "temperature": 0}
         assert (await h.post("/v1/completions", body)).json()["choices"][0]["text"] == edit
+        # A request that opts out gets the same text and adds no proposal to the counts.
+        off = (await h.post("/v1/completions", {**body, "speculate": False})).json()
+        assert off["choices"][0]["text"] == edit
+        assert_error(await h.post("/v1/completions", {**body, "speculate": "maybe"}), 400,
+                     "speculate")
         text = (await h.request("GET", "/metrics")).body.decode()
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for f in text_string_to_metric_families(text) for s in f.samples}
