@@ -170,8 +170,9 @@ class Engine:
 
     def _propose(self) -> list[Request]:
         """Set this step's proposals (engine/speculative.py): on a step with few enough
-        decoding requests, each that may speculate gets up to num_speculative_tokens, no
-        more than its max_tokens leaves room for. Returns the requests that got one."""
+        decoding requests, each that may speculate gets up to num_speculative_tokens (as
+        many as its record says pay, where adaptive), no more than its max_tokens leaves
+        room for. Returns the requests that got one."""
         spec = self.config.speculative
         if spec is None:
             return []

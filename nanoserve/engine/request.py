@@ -80,7 +80,7 @@ class Request:
     # ever set from a step's proposals to its end.
     draft: list[int] = field(default_factory=list)
     # The chance that a proposed token is kept, as this request's proposals have gone
-    # (engine/speculative.py's policy); starts at its PRIOR.
+    # (engine/speculative.py's policy); starts at its PRIOR, 0.5.
     spec_rate: float = 0.5
 
     def __post_init__(self) -> None:

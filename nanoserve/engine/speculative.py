@@ -2,7 +2,8 @@
 
 A decoding request normally computes one token a step: its last, whose logits give the
 next. With a proposal d_1..d_k it computes k + 1 (its last and the proposal) in the same
-forward, as a chunk, and so gets the logits after each of them. The step then draws a
+forward, as k + 1 decode rows of one sequence (batch.py: row j's context ends at its own
+position), and so gets the logits after each of them. The step then draws a
 token from each of those k + 1 rows exactly as it would have drawn it without the
 proposal: with the same sampler, the same row state (penalties see the proposal's tokens
 before each row as output), and the same uniform, which depends only on (seed, index of
@@ -21,6 +22,10 @@ max(0, p - q) the algorithm samples from. So the output has the target's distrib
 The rest of the step follows from the count of tokens kept (engine.py): the request's KV
 holds its last token and the proposal tokens that matched, the slots of the others are
 overwritten later, and the blocks wholly past them go back to the pool at once.
+
+Which requests get a proposal, and how long, is the policy below (proposal_length): a
+request proposes as many tokens as its own record of kept tokens says pay for the rows
+they add, and none where none pays.
 """
 
 from __future__ import annotations
