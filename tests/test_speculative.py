@@ -16,6 +16,7 @@ from nanoserve.config import ConfigError, EngineConfig, SpeculativeConfig
 from nanoserve.engine.engine import Engine
 from nanoserve.engine.speculative import ngram_proposal
 from nanoserve.model.stub import StubModel
+from nanoserve.sampling.grammar import GuidedSpec
 from nanoserve.sampling.params import SamplingParams
 from nanoserve.tokenizer import Tokenizer
 
@@ -97,6 +98,25 @@ def test_copying_output_takes_fewer_steps_with_the_same_tokens(tok: Tokenizer) -
     assert (s.drafts, s.draft_tokens, s.accepted_tokens) == (5, 20, 14)
     assert s.accepted_per_position == [4, 4, 3, 3]
     assert e0.spec.drafts == 0
+
+
+def test_a_constraint_cuts_a_proposal_before_it_is_checked(tok: Tokenizer) -> None:
+    """A structured-output request speculates too: its proposal is cut at the first token
+    its constraint refuses (the JSON object is complete: nothing but its end may follow),
+    and each checked row is masked as decoding would mask it there. The same object, in 7
+    steps instead of 20; 18 tokens proposed where the unconstrained request had 20."""
+    schema = {"type": "object", "required": ["name", "version", "license"],
+              "additionalProperties": False,
+              "properties": {"name": {"type": "string"}, "version": {"type": "integer"},
+                             "license": {"type": "string"}}}
+    params = SamplingParams(temperature=0.0, max_tokens=60,
+                            guided=GuidedSpec.json_schema(schema))
+    plain, e0 = outputs(tok, None, [copy_prompt(tok)], params)
+    spec, e1 = outputs(tok, NGRAM, [copy_prompt(tok)], params)
+    assert spec == plain
+    assert tok.decode(spec["r0"]) == EDIT
+    assert (e0.num_steps, e1.num_steps) == (20, 7)
+    assert (e1.spec.drafts, e1.spec.draft_tokens, e1.spec.accepted_tokens) == (5, 18, 14)
 
 
 def test_adaptive_proposals_grow_where_kept_and_stop_where_not(tok: Tokenizer) -> None:

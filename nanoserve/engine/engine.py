@@ -21,6 +21,7 @@ from nanoserve.engine.speculative import (
     DRIFT,
     PRIOR,
     SpecCounters,
+    allowed_prefix,
     follow,
     ngram_proposal,
     proposal_length,
@@ -188,8 +189,8 @@ class Engine:
             if k < 1 or not speculates(r):
                 r.spec_rate += DRIFT * (PRIOR - r.spec_rate)
                 continue
-            r.draft = ngram_proposal(r.token_ids, k, spec.prompt_lookup_min,
-                                     spec.prompt_lookup_max)
+            r.draft = allowed_prefix(r, ngram_proposal(r.token_ids, k, spec.prompt_lookup_min,
+                                                       spec.prompt_lookup_max))
             if r.draft:
                 drafted.append(r)
         return drafted

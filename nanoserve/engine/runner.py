@@ -82,9 +82,10 @@ class ModelRunner:
         for r in fwd.samplers:
             first.append(at)
             at += 1 + len(r.draft)
-        # (logits row, request, index of the draw in the request's output, output before it)
-        draws = [(first[i] + j, r, r.num_output + j, r.draft[:j])
-                 for i, r in rows for j in range(1 + len(r.draft))]
+        # (logits row, request, index of the draw in the request's output, output before
+        # it, the constraint's mask there)
+        draws = [(first[i] + j, r, r.num_output + j, r.draft[:j], mask)
+                 for i, r in rows for j, mask in enumerate(self._masks(r))]
         if fwd.direct is not None:
             tokens = [fwd.direct[row] for row, *_ in draws]
             logprobs: Sequence[TokenLogprobs | None] = [None] * len(draws)
@@ -94,8 +95,8 @@ class ModelRunner:
             if wanted != list(range(len(logits))):  # forked siblings draw from their parent's
                 logits = logits[torch.tensor(wanted, device=logits.device)]
             drawn = sample(logits, [SamplingRow(r.params, r.seed, index, r.prompt_ids,
-                                                [*r.output_ids, *ahead], self._mask(r))
-                                    for _, r, index, ahead in draws], self.eos_token_ids)
+                                                [*r.output_ids, *ahead], mask)
+                                    for _, r, index, ahead, mask in draws], self.eos_token_ids)
             tokens, logprobs = drawn.token_ids, drawn.logprobs
         kept: list[list[int]] = []
         kept_lp: list[list[TokenLogprobs | None]] = []
@@ -123,6 +124,23 @@ class ModelRunner:
                      self.eos_token_ids)
         return Ran(fwd.work, reqs, [[t] for t in one.token_ids],
                    [[lp] for lp in one.logprobs])
+
+    def _masks(self, r: Request) -> list[bytes | None]:
+        """A request's constraint masks for its draws this step: before its proposal and
+        after each of its tokens (the matcher walked through them, then back: the tokens
+        kept are taken in by the engine, as any drawn token is). The proposal holds only
+        tokens the constraint allows (engine._propose cut it)."""
+        first = self._mask(r)
+        if r.grammar is None:
+            return [first] * (1 + len(r.draft))
+        masks = [first]
+        for token in r.draft:
+            if not r.grammar.consume_token(token):
+                raise RuntimeError(f"{r.request_id}: a proposed token {token} breaks its "
+                                   "constraint")
+            masks.append(r.grammar.compute_bitmask())
+        r.grammar.rollback(len(r.draft))
+        return masks
 
     def _mask(self, r: Request) -> bytes | None:
         """A constrained request's allowed tokens for its next draw. Its matcher is made at

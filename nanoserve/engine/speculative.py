@@ -97,12 +97,21 @@ def follow(rate: float, proposed: int, kept: int) -> float:
 
 
 def speculates(req: Request) -> bool:
-    """Whether a decoding request may get a proposal: not where its constraint would have to
-    judge the proposal first, nor while it owes prompt logprobs or unforked completions, nor
-    where the request opted out (SamplingParams.speculate)."""
+    """Whether a decoding request may get a proposal: not while it owes prompt logprobs or
+    unforked completions, nor where the request opted out (SamplingParams.speculate), nor
+    where its constraint has no matcher yet (it gets one at its first draw)."""
     p = req.params
-    return (p.speculate and p.guided is None and not req.needs_prompt_logprobs
-            and not req.pending_children)
+    return (p.speculate and not req.needs_prompt_logprobs and not req.pending_children
+            and (p.guided is None or req.grammar is not None))
+
+
+def allowed_prefix(req: Request, proposal: list[int]) -> list[int]:
+    """The longest start of `proposal` that the request's constraint allows after its
+    output so far (all of it where it has none): a proposal is cut where its constraint
+    would refuse it, before any row checks it."""
+    if req.grammar is None or not proposal:
+        return proposal
+    return proposal[:req.grammar.validate_tokens(proposal)]
 
 
 @dataclass(slots=True)
