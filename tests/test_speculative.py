@@ -256,3 +256,30 @@ def test_real_weights_greedy_output_is_the_same_with_proposals(
         if spec is not None:
             assert e.spec.accepted_tokens > e.spec.draft_tokens // 2
     assert got[True] == got[False]
+
+
+def test_a_proposal_takes_only_blocks_no_running_request_needs() -> None:
+    """The last free block goes to a running request's own next token, not to a neighbour's
+    proposal: proposals are placed after every running request has its token. A decodes
+    inside its blocks and proposes 4 tokens, which would need a third block; B's next token
+    needs one. One block is free: B gets it, A's proposal is dropped, nobody is preempted."""
+    from nanoserve.engine.kv import BlockPool, KVManager
+    from nanoserve.engine.request import Request, Status
+    from nanoserve.engine.scheduler import Scheduler
+
+    kv = KVManager(BlockPool(5, 4, prefix_caching=False))
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
+    a = Request("a", list(range(100, 105)), GREEDY, 8, seed=0, admission=0)
+    b = Request("b", list(range(200, 208)), GREEDY, 8, seed=1, admission=1)
+    for r, computed in ((a, 5), (b, 8)):
+        r.token_ids.append(7)  # its first output token, not yet computed
+        r.num_computed = computed
+        r.blocks = kv.pool.allocate(2)
+        r.status = Status.RUNNING
+        s.running.append(r)
+    a.draft = [1, 2, 3, 4]
+    schedule = s.schedule()
+    assert [(x.request.request_id, x.num_tokens) for x in schedule.scheduled] == \
+        [("a", 1), ("b", 1)]
+    assert schedule.preempted == ()
+    assert (a.draft, a.blocks, b.blocks) == ([], [0, 1], [2, 3, 4])

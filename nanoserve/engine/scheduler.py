@@ -91,7 +91,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed, budget) + self._draft_room(req, budget)
+            n = min(req.num_tokens - req.num_computed, budget)
             # Asked first, without _make_room's allocation: this runs once per running
             # request per step, and most of them fit the blocks they hold.
             if not self.kv.holds(req, n) and not self._make_room(req, n, preempted):
@@ -99,6 +99,15 @@ class Scheduler:
             out.append(Scheduled(req, n))
             budget -= n
             i += 1
+
+        # Proposals (Request.draft) only once every running request has its own tokens:
+        # a proposal is worth less than a neighbour's place in the batch, so it takes
+        # what the budget and the pool have left, and never a block someone needs.
+        for j, sched in enumerate(out):
+            extra = self._draft_room(sched.request, budget)
+            if extra:
+                out[j] = Scheduled(sched.request, sched.num_tokens + extra)
+                budget -= extra
 
         # Admitting new work while running requests are being evicted would only evict
         # them again next step: admit only on a step that preempted nobody.
@@ -121,13 +130,12 @@ class Scheduler:
         return Schedule(tuple(out), tuple(preempted))
 
     def _draft_room(self, req: Request, budget: int) -> int:
-        """How much of `req`'s proposal (Request.draft; a decoding request's) this step
-        checks: what the budget leaves after its one token and the pool holds without
-        preempting anyone; the rest is dropped. A proposal is worth less than a neighbour's
-        place in the batch."""
+        """How much of `req`'s proposal (Request.draft; a decoding request's, scheduled for
+        its one token) this step checks: what the budget left and the pool holds without
+        preempting anyone; the rest is dropped."""
         if not req.draft:
             return 0
-        del req.draft[max(budget - 1, 0):]
+        del req.draft[max(budget, 0):]
         if req.draft and not self.kv.allocate(req, 1 + len(req.draft)):
             req.draft.clear()
         return len(req.draft)
