@@ -14,14 +14,15 @@ from collections.abc import Callable
 from typing import Any
 
 from nanoserve import flags
-from nanoserve.config import EngineConfig
+from nanoserve.config import EngineConfig, SpeculativeConfig
 from nanoserve.model.loader import resolve_model
 from nanoserve.tokenizer import Tokenizer
 from sim.load.public import FORMATS
 
 # The engine settings `--engine` may set on capacity, profile and validate.
 ENGINE_KEYS = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
-               "prefix_caching", "max_model_len", "seed", "kv_cache_memory")
+               "prefix_caching", "max_model_len", "seed", "kv_cache_memory",
+               "speculative_config")
 
 
 def guarded(run: Callable[[argparse.Namespace], int],
@@ -66,6 +67,8 @@ def engine_config(pairs: list[str]) -> EngineConfig:
             kw["kv_cache_memory"] = flags.size_bytes(memory)
         except argparse.ArgumentTypeError as exc:
             raise ValueError(f"--engine kv_cache_memory: {exc}") from None
+    if "speculative_config" in kw:  # vLLM's JSON, as serve's --speculative-config takes it
+        kw["speculative"] = SpeculativeConfig.parse(kw.pop("speculative_config"))
     return EngineConfig(**kw)
 
 

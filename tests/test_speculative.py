@@ -283,3 +283,15 @@ def test_a_proposal_takes_only_blocks_no_running_request_needs() -> None:
         [("a", 1), ("b", 1)]
     assert schedule.preempted == ()
     assert (a.draft, a.blocks, b.blocks) == ([], [0, 1], [2, 3, 4])
+
+
+def test_sim_takes_the_speculative_config_as_an_engine_setting() -> None:
+    """`sim capacity|profile|validate --engine speculative_config={...}`: vLLM's JSON, as
+    serve's flag takes it, and a bad one a ValueError (one line, exit 2) naming it."""
+    from sim.cli_util import engine_config
+
+    c = engine_config(['speculative_config={"method": "ngram", "num_speculative_tokens": 8, '
+                       '"prompt_lookup_max": 3}'])
+    assert c.speculative == SpeculativeConfig(num_speculative_tokens=8, prompt_lookup_max=3)
+    with pytest.raises(ValueError, match="speculative_config.method"):
+        engine_config(['speculative_config={"method": "eagle"}'])
