@@ -63,6 +63,7 @@ INVALID: list[tuple[str, Any]] = [
     *[("logprobs", v) for v in (-1, 21, 1.0, True, "5")],
     *[("prompt_logprobs", v) for v in (-1, 21, 1.0, True, "5")],
     *[("guided", v) for v in ('{"type": "object"}', {"type": "object"}, 1)],
+    *[("speculate", v) for v in (1, 0, "true", None)],
 ]
 
 
