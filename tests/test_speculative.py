@@ -278,7 +278,7 @@ def test_a_proposal_takes_only_blocks_no_running_request_needs() -> None:
         r.status = Status.RUNNING
         s.running.append(r)
     a.draft = [1, 2, 3, 4]
-    schedule = s.schedule()
+    schedule = s.place_proposals(s.schedule())  # as Engine.step does
     assert [(x.request.request_id, x.num_tokens) for x in schedule.scheduled] == \
         [("a", 1), ("b", 1)]
     assert schedule.preempted == ()

@@ -171,11 +171,12 @@ def advance(schedule: Schedule, kv: KVManager) -> Work:
         end = start + s.num_tokens
         if req.num_output > 0 and start == req.num_tokens - 1:
             w.decode += s.num_tokens
-            # Keys a row reads: its context; with a proposal, each of its k + 1 rows its own.
-            w.decode_context += s.num_tokens * start + s.num_tokens * (s.num_tokens + 1) // 2
-            if req.draft:  # computed for now: its last token; the proposal once checked
-                end = start + 1
-                w.drafted += len(req.draft)
+            w.decode_context += end  # the keys a row reads: its context
+            if req.draft:  # k + 1 rows, each reading its own context (one key more each)
+                k = len(req.draft)
+                w.decode_context += k * end - k * (k + 1) // 2
+                w.drafted += k
+                end = start + 1  # computed for now: its last token; the proposal once checked
         else:
             w.prefill += s.num_tokens
             w.prefill_seqs += 1

@@ -143,13 +143,15 @@ class Engine:
         self.num_steps += 1
         drafted = self._propose()
         try:
-            return self._step()
+            return self._step(bool(drafted))
         finally:
             for req in drafted:  # a proposal lives for one step, checked or not
                 req.draft.clear()
 
-    def _step(self) -> StepResult:
+    def _step(self, drafted: bool) -> StepResult:
         schedule = self.scheduler.schedule()
+        if drafted:
+            schedule = self.scheduler.place_proposals(schedule)
         preempted = self._ids(schedule.preempted)
         if not schedule.scheduled:
             return StepResult(self.num_steps, (), preempted, 0, 0)
@@ -163,7 +165,7 @@ class Engine:
         w = ran.work
         self._prefill_tokens += w.prefill
         self._decode_tokens += w.decode
-        accepted = self.spec.count(ran.requests, ran.tokens)
+        accepted = self.spec.count(ran.requests, ran.tokens) if w.drafted else 0
         done = tuple(self._update(req, toks, lps) for req, toks, lps in ran.draws())
         return StepResult(self.num_steps, done, preempted, w.prefill, w.decode,
                           w.prefill_seqs, w.decode_context, w.prefill_attention,
@@ -221,18 +223,28 @@ class Engine:
         """Apply a step's tokens (stop.py), one at a time: the tokens' update, or the
         request's last, with those before the one that ended it. With a proposal, the KV
         of its tokens that were kept now counts as computed, and blocks past them go back."""
-        for i, (token, lp) in enumerate(zip(tokens, logprobs, strict=True)):
+        if not req.draft:  # one token: every step but a checked proposal's, kept lean
+            token, lp = tokens[0], logprobs[0]
             ending = take_token(req, token, lp, self.num_steps, self.eos_token_ids)
             if ending is not None:
-                self._failed += ending.reason is FinishReason.ERROR
-                return self._finish(req, ending, tuple(tokens[:i + 1]))
-        if req.draft:
-            req.spec_rate = follow(req.spec_rate, len(req.draft), len(tokens) - 1)
-            req.num_computed += len(tokens) - 1
-            self.kv.commit(req)
-            self.kv.trim(req)
+                return self._ended(req, ending, (token,))
+            text = "" if req.detok is None else req.detok.pop_delta()
+            return token_update(req, (token,), text, (lp,))
+        for i, token in enumerate(tokens):
+            ending = take_token(req, token, logprobs[i], self.num_steps, self.eos_token_ids)
+            if ending is not None:
+                return self._ended(req, ending, tuple(tokens[:i + 1]))
+        req.spec_rate = follow(req.spec_rate, len(req.draft), len(tokens) - 1)
+        req.num_computed += len(tokens) - 1
+        self.kv.commit(req)
+        self.kv.trim(req)
         text = "" if req.detok is None else req.detok.pop_delta()
-        return token_update(req, tuple(tokens), text)
+        return token_update(req, tuple(tokens), text, tuple(logprobs))
+
+    def _ended(self, req: Request, ending: Ending, new_tokens: tuple[int, ...]) -> Update:
+        """The last update of a request a step's token ended."""
+        self._failed += ending.reason is FinishReason.ERROR
+        return self._finish(req, ending, new_tokens)
 
     def _finish(self, req: Request, ending: Ending, new_tokens: tuple[int, ...] = ()) -> Update:
         self.scheduler.remove(req)

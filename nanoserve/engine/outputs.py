@@ -167,9 +167,10 @@ def prompt_logprobs_update(req: Request) -> tuple[TokenLogprobs | None, ...] | N
     return tuple(req.prompt_logprobs)
 
 
-def token_update(req: Request, tokens: tuple[int, ...], text: str) -> Update:
-    """A request that goes on: its new tokens (one, or more with a proposal) and the text
-    they released."""
+def token_update(req: Request, tokens: tuple[int, ...], text: str,
+                 logprobs: tuple[TokenLogprobs | None, ...]) -> Update:
+    """A request that goes on: its new tokens (one, or more with a proposal), the text
+    they released, and their logprobs."""
     return Update(
         req.group,
         tokens,
@@ -178,7 +179,7 @@ def token_update(req: Request, tokens: tuple[int, ...], text: str) -> Update:
         num_prompt_tokens=req.num_prompt,
         num_output_tokens=req.num_output,
         num_cached_tokens=req.num_cached_prompt,
-        logprobs=tuple(req.logprobs[-len(tokens):]),
+        logprobs=logprobs,
         prompt_logprobs=prompt_logprobs_update(req),
     )
 

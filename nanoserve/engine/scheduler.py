@@ -100,15 +100,6 @@ class Scheduler:
             budget -= n
             i += 1
 
-        # Proposals (Request.draft) only once every running request has its own tokens:
-        # a proposal is worth less than a neighbour's place in the batch, so it takes
-        # what the budget and the pool have left, and never a block someone needs.
-        for j, sched in enumerate(out):
-            extra = self._draft_room(sched.request, budget)
-            if extra:
-                out[j] = Scheduled(sched.request, sched.num_tokens + extra)
-                budget -= extra
-
         # Admitting new work while running requests are being evicted would only evict
         # them again next step: admit only on a step that preempted nobody.
         while not preempted and self.waiting and budget > 0:
@@ -129,16 +120,24 @@ class Scheduler:
             budget -= n
         return Schedule(tuple(out), tuple(preempted))
 
-    def _draft_room(self, req: Request, budget: int) -> int:
-        """How much of `req`'s proposal (Request.draft; a decoding request's, scheduled for
-        its one token) this step checks: what the budget left and the pool holds without
-        preempting anyone; the rest is dropped."""
-        if not req.draft:
-            return 0
-        del req.draft[max(budget, 0):]
-        if req.draft and not self.kv.allocate(req, 1 + len(req.draft)):
-            req.draft.clear()
-        return len(req.draft)
+    def place_proposals(self, schedule: Schedule) -> Schedule:
+        """`schedule` with its requests' proposals (Request.draft) added to their tokens,
+        as far as the budget and the pool have room left: a proposal is worth less than a
+        neighbour's place in the batch, so it comes after every request's own tokens (and
+        after admissions), never takes a block someone needs, and never preempts; what
+        does not fit is dropped."""
+        budget = self.max_num_batched_tokens - schedule.num_tokens
+        out = list(schedule.scheduled)
+        for j, sched in enumerate(out):
+            req = sched.request
+            if not req.draft:
+                continue
+            del req.draft[max(budget, 0):]
+            if req.draft and not self.kv.allocate(req, sched.num_tokens + len(req.draft)):
+                req.draft.clear()
+            out[j] = Scheduled(req, sched.num_tokens + len(req.draft))
+            budget -= len(req.draft)
+        return Schedule(tuple(out), schedule.preempted)
 
     def _make_room(self, req: Request, n: int, preempted: list[Request]) -> bool:
         """Allocate for `req`, preempting from the back of `running` until it fits.
