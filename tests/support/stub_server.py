@@ -2,8 +2,8 @@
 whose measure is the server's event loop: a client in the server's process would share its
 event loop and its GIL, and its own work would count as the server's stalls.
 
-`python tests/support/stub_server.py MAX_TOOLS [MAX_CHARS [tools]]` prints the bound URL on stdout
-once the engine is ready, then serves until it is killed. MAX_CHARS, when given, is both
+`python tests/support/stub_server.py MAX_TOOLS [MAX_CHARS [tools]]` prints the bound URL on
+stdout once the engine is ready, then serves until it is killed. MAX_CHARS, when given, is both
 character limits (max_prompt_chars, max_template_chars): raised past a body's size, the
 body is templated and tokenized instead of refused by its length before that work.
 `tools`: the chat template renders tools and "auto" is on (as `serve` has them on the
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -31,11 +32,10 @@ async def main(max_tools: int, max_chars: int | None, tools: bool) -> None:
     engine = make_engine(max_model_len=4096, num_blocks=2048)
     limits = RequestLimits(max_tools=max_tools, max_prompt_chars=max_chars,
                            max_template_chars=max_chars)
-    config = ServerConfig("stub", limits=limits)
-    if tools:
-        config = ServerConfig("stub", limits=limits, chat_template=checks.chat_template(
-            "chatml-tools"), agents=AgentSettings(enable_auto_tool_choice=True))
-    app = create_app(engine, config, clock=LiveClock())
+    agents: dict[str, Any] = {} if not tools else {
+        "chat_template": checks.chat_template("chatml-tools"),
+        "agents": AgentSettings(enable_auto_tool_choice=True)}
+    app = create_app(engine, ServerConfig("stub", limits=limits, **agents), clock=LiveClock())
     async with hypercorn_on_loopback(app) as url:
         print(url, flush=True)
         await trio.sleep_forever()
