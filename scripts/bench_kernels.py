@@ -138,7 +138,8 @@ def bench_stream(a: argparse.Namespace) -> None:
             w = synthetic(fmt, rows, cols)
             x, out = torch.randn(1, cols), torch.empty(1, rows)
             nbytes = w.blocks.nbytes
-            t_k = best_ms(partial(k.ops.quant_linear, x, w.blocks, w.format, out), a.repeat)
+            fmt_arg = w.format + (native.act8_suffix(isa) if a.act8 and fmt != "f16" else "")
+            t_k = best_ms(partial(k.ops.quant_linear, x, w.blocks, fmt_arg, out), a.repeat)
             t_r = best_ms(partial(k.ops.stream_read, w.blocks.view(-1)), a.repeat)
             gbs, read = nbytes / t_k / 1e6, nbytes / t_r / 1e6
             print(f"{fmt:>7} {gbs:>7.1f} {read:>9.1f} {gbs / read:>6.0%}")
@@ -157,6 +158,8 @@ def main() -> None:
     p.add_argument("--stream", default="",
                    help="batch-1 GB/s of these formats (or all) against the read bandwidth")
     p.add_argument("--mbytes", type=int, default=256, help="with --stream: MB per format")
+    p.add_argument("--act8", action="store_true",
+                   help="with --stream: the 8-bit-activation kernels (--int8-activations)")
     a = p.parse_args()
     if a.stream:
         bench_stream(a)

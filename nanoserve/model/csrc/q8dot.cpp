@@ -29,7 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
-#include <utility>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -62,19 +62,6 @@ Q8_INLINE float hsum8(__m256 v) {
 // (signed). Vnni: one vpdpbusd, written as assembly so that the library's compiler flags
 // need not claim VNNI (the caller checks the CPU's flags): the EVEX form (AVX512-VNNI with
 // VL) in the AVX-512 build, the VEX form (AVX-VNNI) in the AVX2 build.
-#if defined(NANOSERVE_AVX512)
-template <bool Vnni>
-Q8_INLINE __m512i dot4(__m512i u, __m512i s) {
-  if constexpr (Vnni) {
-    __m512i acc = _mm512_setzero_si512();
-    asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
-    return acc;
-  } else {
-    return _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1));
-  }
-}
-#endif
-
 template <bool Vnni>
 Q8_INLINE __m256i dot4(__m256i u, __m256i s) {
   if constexpr (Vnni) {
@@ -90,6 +77,34 @@ Q8_INLINE __m256i dot4(__m256i u, __m256i s) {
   }
 }
 
+// acc plus each 32-bit lane's two products of p's 16-bit integers by s's: VNNI's vpdpwssd
+// (the same EVEX or VEX choice as above), else vpmaddwd and an add; the same sums.
+template <bool Vnni>
+Q8_INLINE __m256i dot2(__m256i acc, __m256i p, __m256i s) {
+  if constexpr (Vnni) {
+#if defined(NANOSERVE_AVX512)
+    asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(p), "v"(s));
+#else
+    asm("%{vex%} vpdpwssd %2, %1, %0" : "+x"(acc) : "x"(p), "x"(s));
+#endif
+    return acc;
+  } else {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
+  }
+}
+
+#if defined(NANOSERVE_AVX512)
+template <bool Vnni>
+Q8_INLINE __m512i dot2(__m512i acc, __m512i p, __m512i s) {
+  if constexpr (Vnni) {
+    asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(p), "v"(s));
+    return acc;
+  } else {
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(p, s));
+  }
+}
+#endif
+
 Q8_INLINE __m256i low4(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0f)); }
 Q8_INLINE __m256i high4(__m256i v) { return low4(_mm256_srli_epi16(v, 4)); }
 
@@ -100,84 +115,102 @@ Q8_INLINE __m256i nibbles32(const uint8_t* qs) {
   return low4(_mm256_srlv_epi64(both, _mm256_set_epi64x(4, 4, 0, 0)));
 }
 
-// One row of x as the kernels read it: int8 values, one scale per 32 (dx), and the exact
-// float32 sums of each 16 and each 32 values (the offsets' multipliers).
+// One row of x as the kernels read it: int8 values, one scale per `group` values (dx: 32
+// for the one-unit formats and Q6_K, as llama.cpp's Q8_0; 256 for Q4_K, as its Q8_K), and
+// the exact float32 sums of each 16 and each 32 values (the offsets' multipliers). `pairs`
+// (Q4_K on AVX-512) stores each superblock's eight units of 32 in the order 0, 2, 1, 3, 4,
+// 6, 5, 7: the order in which 64 bytes of Q4_K quants hold them (kernel below).
 struct Act8 {
   std::vector<int8_t> q;
   std::vector<float> dx, sum16, sum32;
 
-  explicit Act8(const float* x, int64_t K) : q(K), dx(K / kUnit), sum16(K / 16), sum32(K / kUnit) {
+  Act8(const float* x, int64_t K, int64_t group, bool pairs)
+      : q(K), dx(K / group), sum16(K / 16), sum32(K / kUnit) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (int64_t b = 0; b < K / kUnit; ++b) {
-      const float* xb = x + b * kUnit;
-      __m256 v[4], m = _mm256_setzero_ps();
-      for (int i = 0; i < 4; ++i) {
-        v[i] = _mm256_loadu_ps(xb + 8 * i);
-        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+    for (int64_t g = 0; g < K / group; ++g) {
+      const float* xg = x + g * group;
+      __m256 m = _mm256_setzero_ps();
+      for (int64_t i = 0; i < group; i += 8) {
+        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(xg + i)));
       }
       __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
       h = _mm_max_ps(h, _mm_movehl_ps(h, h));
       const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-      dx[b] = amax / 127.0f;
+      dx[g] = amax / 127.0f;
       const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-      __m256i r[4];
-      for (int i = 0; i < 4; ++i) r[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  // nearest, ties even
-      // int32 -> int8, in order: the packs work within 128-bit lanes, hence the permute.
-      const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.data() + b * kUnit),
-                          _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-      sum16[2 * b] = hsum8(_mm256_add_ps(v[0], v[1]));
-      sum16[2 * b + 1] = hsum8(_mm256_add_ps(v[2], v[3]));
-      sum32[b] = sum16[2 * b] + sum16[2 * b + 1];
+      for (int64_t u = 0; u < group / kUnit; ++u) {
+        const int64_t b = g * (group / kUnit) + u;  // the unit of 32
+        const float* xb = x + b * kUnit;
+        __m256 v[4];
+        __m256i r[4];
+        for (int i = 0; i < 4; ++i) {
+          v[i] = _mm256_loadu_ps(xb + 8 * i);
+          r[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  // nearest, ties even
+        }
+        // int32 -> int8, in order: the packs work within 128-bit lanes, hence the permute.
+        const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+        const int64_t slot = pairs ? (b & ~int64_t{3}) | ((b & 1) << 1) | ((b >> 1) & 1) : b;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.data() + slot * kUnit),
+                            _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        sum16[2 * b] = hsum8(_mm256_add_ps(v[0], v[1]));
+        sum16[2 * b + 1] = hsum8(_mm256_add_ps(v[2], v[3]));
+        sum32[b] = sum16[2 * b] + sum16[2 * b + 1];
+      }
     }
   }
 };
 
-// A row's running sums: chains of the units' scaled integer sums (the next unit's
-// multiply-add need not wait on the last: Q4_K 16.1 against 16.7 GB/s with four, one thread
-// in cache), and the offsets' products, by lane or by block; on AVX-512 two 512-bit chains.
-struct Sums {
-  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                   _mm256_setzero_ps()};
-  __m256 offv = _mm256_setzero_ps();
-  float off = 0.0f;
-#if defined(NANOSERVE_AVX512)
-  __m512 wide[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-#endif
-};
-
-// Each format: kBytes per block of kUnits * 32 weights; kOffset, the factor the offsets'
-// sums take at the end (exact: a power of two, or 1); block(...) adds one block's products.
-// `a`, `dx`, `s16`, `s32`: the block's activations, their scales and sums.
-// A block of one unit: its 32 quants q (unsigned) times the activations a, scaled by d dx
-// into the sums; its offset's factor o times the activations' exact sum.
-template <bool V>
-Q8_INLINE void one_unit(__m256i q, const int8_t* a, float d, float o, float dx, float sum,
-                        Sums& s) {
-  const __m256 p = _mm256_cvtepi32_ps(dot4<V>(q, load256(a)));
-  s.acc[0] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * dx), s.acc[0]);
-  s.off += o * sum;
+Q8_INLINE int32_t hsum_i32(__m256i v) {
+  __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
+  return _mm_cvtsi128_si32(h);
 }
 
-struct Q4_0 {
-  static constexpr int64_t kBytes = 18, kUnits = 1;
-  static constexpr float kOffset = -8.0f;  // w = d (q - 8)
-  template <bool V>
-  static Q8_INLINE void block(const uint8_t* b, const int8_t* a, const float* dx, const float*,
-                              const float* s32, Sums& s) {
-    const float d = half(b);
-    one_unit<V>(nibbles32(b + 2), a, d, d, dx[0], s32[0], s);
+Q8_INLINE int32_t load32(const uint8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// ---- The one-unit formats: blocks of 32 weights, a float16 d (and m) each ----
+//
+// Each block's integer dot is formed as one 256-bit vector of partial sums; eight blocks'
+// vectors are then summed lane-wise into one vector of eight dots (tree8), converted once
+// and scaled by eight blocks' d * dx in one multiply-add. Block by block, each dot's
+// horizontal sum, its conversion and its scalar scale were most of the work (one thread, in
+// cache, Q4_0: 13 -> 20 GB/s). A row's last nb % 8 blocks go one at a time.
+
+// Sums lane-wise: lane i of the result is the sum of r[i]'s eight lanes.
+Q8_INLINE __m256i tree8(const __m256i (&r)[8]) {
+  __m256i a[4];
+  for (int k = 0; k < 4; ++k) {
+    a[k] = _mm256_add_epi32(_mm256_unpacklo_epi32(r[2 * k], r[2 * k + 1]),
+                            _mm256_unpackhi_epi32(r[2 * k], r[2 * k + 1]));
   }
+  // Lanes of b0: partial sums of r0-r3, twice (each 128-bit half); b1: r4-r7.
+  const __m256i b0 = _mm256_add_epi32(_mm256_unpacklo_epi64(a[0], a[1]), _mm256_unpackhi_epi64(a[0], a[1]));
+  const __m256i b1 = _mm256_add_epi32(_mm256_unpacklo_epi64(a[2], a[3]), _mm256_unpackhi_epi64(a[2], a[3]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(b0, b1, 0x20),
+                          _mm256_permute2x128_si256(b0, b1, 0x31));
+}
+
+// What a one-unit block's offset multiplies: nothing (Q8_0), its d (Q4_0, Q5_0: w = d (q - c))
+// or its m (Q4_1, Q5_1: w = d q + m).
+enum class Offset { kNone, kD, kM };
+
+struct Q4_0 {
+  static constexpr int64_t kBytes = 18;
+  static constexpr float kOffset = -8.0f;
+  static constexpr Offset kBy = Offset::kD;
+  static Q8_INLINE __m256i quants(const uint8_t* b) { return nibbles32(b + 2); }
 };
 
 struct Q4_1 {
-  static constexpr int64_t kBytes = 20, kUnits = 1;
-  static constexpr float kOffset = 1.0f;  // w = d q + m
-  template <bool V>
-  static Q8_INLINE void block(const uint8_t* b, const int8_t* a, const float* dx, const float*,
-                              const float* s32, Sums& s) {
-    one_unit<V>(nibbles32(b + 4), a, half(b), half(b + 2), dx[0], s32[0], s);
-  }
+  static constexpr int64_t kBytes = 20;
+  static constexpr float kOffset = 1.0f;
+  static constexpr Offset kBy = Offset::kM;
+  static Q8_INLINE __m256i quants(const uint8_t* b) { return nibbles32(b + 4); }
 };
 
 // A 32-weight block's fifth bits (bit j of the little-endian word at qh: weight j's) as
@@ -195,98 +228,188 @@ Q8_INLINE __m256i fifth_bits(const uint8_t* qh) {
 }
 
 struct Q5_0 {
-  static constexpr int64_t kBytes = 22, kUnits = 1;
-  static constexpr float kOffset = -16.0f;  // w = d (q - 16)
-  template <bool V>
-  static Q8_INLINE void block(const uint8_t* b, const int8_t* a, const float* dx, const float*,
-                              const float* s32, Sums& s) {
-    const float d = half(b);
-    one_unit<V>(_mm256_or_si256(nibbles32(b + 6), fifth_bits(b + 2)), a, d, d, dx[0], s32[0], s);
+  static constexpr int64_t kBytes = 22;
+  static constexpr float kOffset = -16.0f;
+  static constexpr Offset kBy = Offset::kD;
+  static Q8_INLINE __m256i quants(const uint8_t* b) {
+    return _mm256_or_si256(nibbles32(b + 6), fifth_bits(b + 2));
   }
 };
 
 struct Q5_1 {
-  static constexpr int64_t kBytes = 24, kUnits = 1;
-  static constexpr float kOffset = 1.0f;  // w = d q + m
-  template <bool V>
-  static Q8_INLINE void block(const uint8_t* b, const int8_t* a, const float* dx, const float*,
-                              const float* s32, Sums& s) {
-    one_unit<V>(_mm256_or_si256(nibbles32(b + 8), fifth_bits(b + 4)), a, half(b), half(b + 2),
-                dx[0], s32[0], s);
+  static constexpr int64_t kBytes = 24;
+  static constexpr float kOffset = 1.0f;
+  static constexpr Offset kBy = Offset::kM;
+  static Q8_INLINE __m256i quants(const uint8_t* b) {
+    return _mm256_or_si256(nibbles32(b + 8), fifth_bits(b + 4));
   }
 };
 
 struct Q8_0 {
-  static constexpr int64_t kBytes = 34, kUnits = 1;
-  static constexpr float kOffset = 0.0f;  // w = d q
-  template <bool V>
-  static Q8_INLINE void block(const uint8_t* b, const int8_t* a, const float* dx, const float*,
-                              const float*, Sums& s) {
+  static constexpr int64_t kBytes = 34;
+  static constexpr float kOffset = 0.0f;
+  static constexpr Offset kBy = Offset::kNone;
+};
+
+// A block's 32 quants times its 32 activations, as eight lanes of partial sums.
+template <class F, bool V>
+Q8_INLINE __m256i unit_dot(const uint8_t* b, const int8_t* a) {
+  if constexpr (std::is_same_v<F, Q8_0>) {
     // Signed by signed: |q| (unsigned; -128 becomes 128) by a with q's sign.
     const __m256i q = load256(b + 2);
-    const __m256 p = _mm256_cvtepi32_ps(dot4<V>(_mm256_abs_epi8(q), _mm256_sign_epi8(load256(a), q)));
-    s.acc[0] = _mm256_fmadd_ps(p, _mm256_set1_ps(half(b) * dx[0]), s.acc[0]);
+    return dot4<V>(_mm256_abs_epi8(q), _mm256_sign_epi8(load256(a), q));
+  } else {
+    return dot4<V>(F::quants(b), load256(a));
   }
-};
+}
+
+// The first four bytes of eight blocks kBytes apart, one block's a 32-bit lane. Inserted
+// one by one: written as _mm256_setr_epi32, GCC built it through the stack.
+template <int64_t kBytes>
+Q8_INLINE __m256i heads8(const uint8_t* b) {
+  __m128i lo = _mm_cvtsi32_si128(load32(b)), hi = _mm_cvtsi32_si128(load32(b + 4 * kBytes));
+  lo = _mm_insert_epi32(lo, load32(b + kBytes), 1);
+  hi = _mm_insert_epi32(hi, load32(b + 5 * kBytes), 1);
+  lo = _mm_insert_epi32(lo, load32(b + 2 * kBytes), 2);
+  hi = _mm_insert_epi32(hi, load32(b + 6 * kBytes), 2);
+  lo = _mm_insert_epi32(lo, load32(b + 3 * kBytes), 3);
+  hi = _mm_insert_epi32(hi, load32(b + 7 * kBytes), 3);
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+}
+
+template <class F, bool V>
+float one_unit_row(const Act8& x, const uint8_t* row, int64_t nb) {
+  __m256 acc = _mm256_setzero_ps(), offv = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= nb; i += 8) {
+    const uint8_t* b = row + i * F::kBytes;
+    for (int64_t l = 0; l < 8 * F::kBytes; l += 64) __builtin_prefetch(b + kPrefetch + l);
+    __m256i r[8];
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k) r[k] = unit_dot<F, V>(b + k * F::kBytes, x.q.data() + (i + k) * kUnit);
+    const __m256 dots = _mm256_cvtepi32_ps(tree8(r));
+    // The eight blocks' first four bytes: d (and m) as float16 pairs; d0-d7 to the low
+    // 128 bits, m0-m7 to the high.
+    const __m256i head = heads8<F::kBytes>(b);
+    const __m256i halves = _mm256_permute4x64_epi64(
+        _mm256_shuffle_epi8(head, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                                   0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15)),
+        0xd8);
+    const __m256 d = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
+    acc = _mm256_fmadd_ps(dots, _mm256_mul_ps(d, _mm256_loadu_ps(x.dx.data() + i)), acc);
+    if constexpr (F::kBy == Offset::kD) {
+      offv = _mm256_fmadd_ps(d, _mm256_loadu_ps(x.sum32.data() + i), offv);
+    } else if constexpr (F::kBy == Offset::kM) {
+      offv = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1)),
+                             _mm256_loadu_ps(x.sum32.data() + i), offv);
+    }
+  }
+  float tail = 0.0f, tail_off = 0.0f;
+  for (; i < nb; ++i) {
+    const uint8_t* b = row + i * F::kBytes;
+    const float d = half(b);
+    tail += d * x.dx[i] * static_cast<float>(hsum_i32(unit_dot<F, V>(b, x.q.data() + i * kUnit)));
+    if constexpr (F::kBy != Offset::kNone) tail_off += (F::kBy == Offset::kD ? d : half(b + 2)) * x.sum32[i];
+  }
+  return (hsum8(acc) + tail) + F::kOffset * (hsum8(offv) + tail_off);
+}
+
+// ---- The K-quants ----
 
 // Eight floats of the unsigned bytes at p.
 Q8_INLINE __m256 bytes8(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
-struct Q4_K {
-  static constexpr int64_t kBytes = 144, kUnits = 8;
-  static constexpr float kOffset = -1.0f;  // w = (d sc) q - (dmin m)
-  template <bool V>
-  static Q8_INLINE void block(const uint8_t* b, const int8_t* a, const float* dx, const float*,
-                              const float* s32, Sums& s) {
+// Q4_K: w = (d sc) q - (dmin m) for each unit of 32 weights, eight units a superblock. With x
+// scaled once per superblock (Act8's group of 256, as llama.cpp's Q8_K), a superblock's
+// products stay integers to its end: vpmaddubsw pairs the quants' products into 16 bits and
+// vpmaddwd (or VNNI's vpdpwssd) multiplies those pairs by their unit's 6-bit scale into
+// 32-bit sums, so a superblock costs one conversion and one multiply-add where each unit
+// took its own (one thread, in cache: 18.6 -> 25 GB/s). Exact integers, and the same eight
+// lanes on both builds (lane k: every unit's weights 4k..4k+3), so AVX2 and AVX-512 give the
+// same bits. The offsets, as everywhere here, multiply the exact sums of x.
+template <bool V>
+float q4k_row(const Act8& x, const uint8_t* row, int64_t nb) {
+  __m256 acc = _mm256_setzero_ps(), offv = _mm256_setzero_ps();
+  for (int64_t i = 0; i < nb; ++i) {
+    const uint8_t* b = row + i * 144;
+    for (int64_t l = 0; l < 144; l += 64) __builtin_prefetch(b + kPrefetch + l);
     uint8_t sm[16];
     nanoserve::unpack_k_scales(b + 4, sm);
-    // unit u's d * sc_u * dx_u in lane u
-    const __m256 scale = _mm256_mul_ps(_mm256_mul_ps(bytes8(sm), _mm256_set1_ps(half(b))),
-                                       _mm256_loadu_ps(dx));
-    s.offv = _mm256_fmadd_ps(_mm256_mul_ps(bytes8(sm + 8), _mm256_set1_ps(half(b + 2))),
-                             _mm256_loadu_ps(s32), s.offv);
+    offv = _mm256_fmadd_ps(_mm256_mul_ps(bytes8(sm + 8), _mm256_set1_ps(half(b + 2))),
+                           _mm256_loadu_ps(x.sum32.data() + 8 * i), offv);
     const uint8_t* qs = b + 16;
+    const int8_t* a = x.q.data() + 256 * i;
+    int64_t scales;  // the eight units' scales, a byte each
+    std::memcpy(&scales, sm, 8);
+    // pick(u): unit u's scale as a 16-bit integer (byte u, then a zero byte).
+    const auto pick = [](int u) { return static_cast<char>(u); };
+    const char z = static_cast<char>(0x80);
 #if defined(NANOSERVE_AVX512)
-    // Units 2j and 2j + 1 in one register: the 32 bytes twice, the upper copy shifted.
-    const __m512 scale16 = _mm512_castps256_ps512(scale);
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      const __m512i v = _mm512_broadcast_i64x4(load256(qs + 32 * j));
-      const __m512i q = _mm512_and_si512(_mm512_mask_srli_epi16(v, 0xffff0000u, v, 4),
-                                         _mm512_set1_epi8(0x0f));
-      const __m512 p = _mm512_cvtepi32_ps(dot4<V>(q, _mm512_loadu_si512(a + 64 * j)));
-      const __m512i pick = _mm512_inserti64x4(_mm512_set1_epi32(2 * j), _mm256_set1_epi32(2 * j + 1), 1);
-      s.wide[j % 2] = _mm512_fmadd_ps(p, _mm512_permutexvar_ps(pick, scale16), s.wide[j % 2]);
+    // 64 bytes of quants: units 4h and 4h + 2 in their low nibbles, 4h + 1 and 4h + 3 in
+    // their high ones; Act8 stored x's units in that order (pairs).
+    const __m512i sc = _mm512_set1_epi64(scales);
+    __m512i sums = _mm512_setzero_si512();
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m512i v = _mm512_loadu_si512(qs + 64 * h);
+      const __m512i m = _mm512_set1_epi8(0x0f);
+      const __m512i lo = _mm512_maddubs_epi16(_mm512_and_si512(v, m), _mm512_loadu_si512(a + 128 * h));
+      const __m512i hi = _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(v, 4), m),
+                                              _mm512_loadu_si512(a + 128 * h + 64));
+      const char u0 = pick(4 * h), u1 = pick(4 * h + 1), u2 = pick(4 * h + 2), u3 = pick(4 * h + 3);
+      // vpshufb picks within each 128-bit lane, and each lane holds the eight scales
+      const __m512i lo_sc = _mm512_set_epi8(
+          z, u2, z, u2, z, u2, z, u2, z, u2, z, u2, z, u2, z, u2, z, u2, z, u2, z, u2, z, u2, z, u2, z, u2, z, u2,
+          z, u2, z, u0, z, u0, z, u0, z, u0, z, u0, z, u0, z, u0, z, u0, z, u0, z, u0, z, u0, z, u0, z, u0, z, u0,
+          z, u0, z, u0);
+      const __m512i hi_sc = _mm512_set_epi8(
+          z, u3, z, u3, z, u3, z, u3, z, u3, z, u3, z, u3, z, u3, z, u3, z, u3, z, u3, z, u3, z, u3, z, u3, z, u3,
+          z, u3, z, u1, z, u1, z, u1, z, u1, z, u1, z, u1, z, u1, z, u1, z, u1, z, u1, z, u1, z, u1, z, u1, z, u1,
+          z, u1, z, u1);
+      sums = dot2<V>(sums, lo, _mm512_shuffle_epi8(sc, lo_sc));
+      sums = dot2<V>(sums, hi, _mm512_shuffle_epi8(sc, hi_sc));
     }
+    const __m256i total = _mm256_add_epi32(_mm512_castsi512_si256(sums), _mm512_extracti64x4_epi64(sums, 1));
 #else
+    const __m256i sc = _mm256_set1_epi64x(scales);
+    __m256i total = _mm256_setzero_si256();
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {  // units 2j (low nibbles) and 2j + 1 (high) share 32 bytes
       const __m256i v = load256(qs + 32 * j);
-      const __m256 lo = _mm256_cvtepi32_ps(dot4<V>(low4(v), load256(a + 64 * j)));
-      const __m256 hi = _mm256_cvtepi32_ps(dot4<V>(high4(v), load256(a + 64 * j + 32)));
-      s.acc[(2 * j) % 4] = _mm256_fmadd_ps(lo, _mm256_permutevar8x32_ps(scale, _mm256_set1_epi32(2 * j)), s.acc[(2 * j) % 4]);
-      s.acc[(2 * j + 1) % 4] = _mm256_fmadd_ps(hi, _mm256_permutevar8x32_ps(scale, _mm256_set1_epi32(2 * j + 1)), s.acc[(2 * j + 1) % 4]);
+      const __m256i lo = _mm256_maddubs_epi16(low4(v), load256(a + 64 * j));
+      const __m256i hi = _mm256_maddubs_epi16(high4(v), load256(a + 64 * j + 32));
+      total = dot2<V>(total, lo, _mm256_shuffle_epi8(sc, _mm256_set1_epi16(static_cast<int16_t>(0x8000 | (2 * j)))));
+      total = dot2<V>(total, hi, _mm256_shuffle_epi8(sc, _mm256_set1_epi16(static_cast<int16_t>(0x8000 | (2 * j + 1)))));
     }
 #endif
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(half(b) * x.dx[i]), acc);
   }
-};
+  return hsum8(acc) - hsum8(offv);
+}
 
-struct Q6_K {
-  static constexpr int64_t kBytes = 210, kUnits = 8;
-  static constexpr float kOffset = -32.0f;  // w = (d sc) (q - 32), a scale per 16 weights
-  template <bool V>
-  static Q8_INLINE void block(const uint8_t* b, const int8_t* a, const float* dx, const float* s16,
-                              const float*, Sums& s) {
+// Q6_K: w = (d sc) (q - 32), a signed 8-bit scale per 16 weights. Scaled per unit of 32
+// (x's group of 32): each unit's dot is converted and multiplied by its two groups' scales,
+// four chains of multiply-adds so that the next unit's need not wait on the last.
+template <bool V>
+float q6k_row(const Act8& x, const uint8_t* row, int64_t nb) {
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  __m256 offv = _mm256_setzero_ps();
+  for (int64_t i = 0; i < nb; ++i) {
+    const uint8_t* b = row + i * 210;
+    for (int64_t l = 0; l < 210; l += 64) __builtin_prefetch(b + kPrefetch + l);
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const int8_t* a = x.q.data() + 256 * i;
+    const float* dx = x.dx.data() + 8 * i;
+    const float* s16 = x.sum16.data() + 16 * i;
     const __m256 d = _mm256_set1_ps(half(b + 208));
     // The 16 groups' d * sc (exact), for the offsets; times their unit's dx for the sums.
     const __m256 g0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))))),
                  g1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8)))));
-    s.offv = _mm256_fmadd_ps(g0, _mm256_loadu_ps(s16), s.offv);
-    s.offv = _mm256_fmadd_ps(g1, _mm256_loadu_ps(s16 + 8), s.offv);
+    offv = _mm256_fmadd_ps(g0, _mm256_loadu_ps(s16), offv);
+    offv = _mm256_fmadd_ps(g1, _mm256_loadu_ps(s16 + 8), offv);
     const __m256 dxv = _mm256_loadu_ps(dx);
     // group i's d * sc_i * dx of its unit (i / 2), groups 0-7 and 8-15
     const __m256 scale[2] = {
@@ -305,38 +428,49 @@ struct Q6_K {
       // lanes 0-3 hold weights 0-15 (group 2u), lanes 4-7 weights 16-31 (group 2u + 1)
       const __m256i pick = _mm256_setr_epi32(2 * v, 2 * v, 2 * v, 2 * v, 2 * v + 1, 2 * v + 1,
                                              2 * v + 1, 2 * v + 1);
-      s.acc[u % 4] = _mm256_fmadd_ps(p, _mm256_permutevar8x32_ps(scale[g], pick), s.acc[u % 4]);
+      acc[u % 4] = _mm256_fmadd_ps(p, _mm256_permutevar8x32_ps(scale[g], pick), acc[u % 4]);
     }
   }
-};
+  const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+  return hsum8(sum) - 32.0f * hsum8(offv);
+}
+
+struct Q4_K {};
+struct Q6_K {};
+
+// Each format's x: its scale group, its unit order, and its row's dot.
+template <class F>
+constexpr int64_t kGroup = std::is_same_v<F, Q4_K> ? 256 : kUnit;
 
 template <class F, bool V>
-float row_dot(const Act8& x, const uint8_t* row, int64_t nb) {
-  Sums s;
-#pragma GCC unroll 2
-  for (int64_t i = 0; i < nb; ++i) {
-    const uint8_t* block = row + i * F::kBytes;
-    for (int64_t l = 0; l < F::kBytes; l += 64) __builtin_prefetch(block + kPrefetch + l);
-    const int64_t u = i * F::kUnits;  // the block's first unit of 32 activations
-    F::template block<V>(block, x.q.data() + u * kUnit, x.dx.data() + u,
-                         x.sum16.data() + 2 * u, x.sum32.data() + u, s);
-    // Blocks of one unit add into acc[0]: alternate the two chains (unrolled, no moves).
-    if constexpr (F::kUnits == 1) std::swap(s.acc[0], s.acc[1]);
+float row_dot(const Act8& x, const uint8_t* row, int64_t K) {
+  if constexpr (std::is_same_v<F, Q4_K>) {
+    return q4k_row<V>(x, row, K / 256);
+  } else if constexpr (std::is_same_v<F, Q6_K>) {
+    return q6k_row<V>(x, row, K / 256);
+  } else {
+    return one_unit_row<F, V>(x, row, K / kUnit);
   }
-  __m256 acc = _mm256_add_ps(_mm256_add_ps(s.acc[0], s.acc[1]), _mm256_add_ps(s.acc[2], s.acc[3]));
-#if defined(NANOSERVE_AVX512)
-  const __m512 w = _mm512_add_ps(s.wide[0], s.wide[1]);
-  acc = _mm256_add_ps(acc, _mm256_add_ps(_mm512_castps512_ps256(w), _mm512_extractf32x8_ps(w, 1)));
-#endif
-  return hsum8(acc) + F::kOffset * (hsum8(s.offv) + s.off);
+}
+
+template <class F>
+int64_t row_bytes(int64_t K) {
+  if constexpr (std::is_same_v<F, Q4_K>) return K / 256 * 144;
+  else if constexpr (std::is_same_v<F, Q6_K>) return K / 256 * 210;
+  else return K / kUnit * F::kBytes;
 }
 
 template <class F, bool V>
 void gemv8(const float* x, int64_t K, const uint8_t* blocks, int64_t N, float* out) {
-  const Act8 act(x, K);
-  const int64_t nb = K / (kUnit * F::kUnits), row_bytes = nb * F::kBytes;
+#if defined(NANOSERVE_AVX512)
+  constexpr bool kPairs = std::is_same_v<F, Q4_K>;
+#else
+  constexpr bool kPairs = false;
+#endif
+  const Act8 act(x, K, kGroup<F>, kPairs);
+  const int64_t bytes = row_bytes<F>(K);
   at::parallel_for(0, N, 32, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) out[n] = row_dot<F, V>(act, blocks + n * row_bytes, nb);
+    for (int64_t n = begin; n < end; ++n) out[n] = row_dot<F, V>(act, blocks + n * bytes, K);
   });
 }
 
