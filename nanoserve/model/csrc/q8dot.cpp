@@ -42,7 +42,9 @@ namespace {
 #define Q8_INLINE inline __attribute__((always_inline))
 
 constexpr int64_t kUnit = 32;  // activations per int8 scale, and weights per unit
-constexpr int64_t kPrefetch = 1024;
+// Bytes ahead each block's prefetch reaches: at two threads from DRAM, 2 KB left a 1B
+// model's projections 2-4% faster than 1 KB (1-16 KB tried, in one process alternating).
+constexpr int64_t kPrefetch = 2048;
 
 Q8_INLINE float half(const uint8_t* p) {
   uint16_t h;
