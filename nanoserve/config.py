@@ -39,7 +39,7 @@ _FLAGGED = re.compile(r"\b(block_size|num_blocks|kv_cache_memory|max_num_seqs|"
                       r"max_num_batched_tokens|max_model_len)\b")
 
 
-SPEC_METHODS = ("ngram",)
+SPEC_METHODS = ("ngram", "draft_model")
 LOOKUP_MIN = 2  # the least n-gram where only prompt_lookup_max is given
 
 
@@ -48,11 +48,14 @@ class SpeculativeConfig:
     """vLLM's `--speculative-config`, as far as nanoserve has it: n-gram prompt lookup
     (`method` "ngram"), `num_speculative_tokens` proposed a step, from the longest n-gram
     of `prompt_lookup_min`..`prompt_lookup_max` tokens that ends the sequence and occurs
-    earlier in it. `disable_by_batch_size` (vLLM's name): no proposals on a step with more
-    decoding sequences than that (a wide batch is compute-bound, and k + 1 rows a sequence
-    cost it k more). `adaptive`: each request's proposals as long as pays, by how its own
-    have gone (engine/speculative.py's proposal_length; none where none pays); False
-    proposes num_speculative_tokens wherever the n-gram has them, as vLLM does."""
+    earlier in it; or a draft model (`method` "draft_model", implied by `model` alone: a
+    path or name as `nanoserve serve --model` takes, sharing the target's tokenizer) that
+    proposes them by greedy decoding (engine/draft.py). `disable_by_batch_size` (vLLM's
+    name): no proposals on a step with more decoding sequences than that (a wide batch is
+    compute-bound, and k + 1 rows a sequence cost it k more). `adaptive`: each request's
+    proposals as long as pays, by how its own have gone (engine/speculative.py's
+    proposal_length; none where none pays); False proposes num_speculative_tokens wherever
+    the n-gram (or the draft) has them, as vLLM does."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
@@ -60,11 +63,18 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     disable_by_batch_size: int = 4
     adaptive: bool = True
+    model: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
             raise ConfigError("speculative_config.method must be one of "
                               f"{', '.join(SPEC_METHODS)}, got {self.method!r}")
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ConfigError(f"speculative_config.model must be a model's path or name, got "
+                              f"{self.model!r}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ConfigError("speculative_config.model names the draft model of method "
+                              "draft_model, and only of it")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
                      "disable_by_batch_size"):
             value = getattr(self, name)
@@ -97,6 +107,8 @@ class SpeculativeConfig:
         if unknown:
             raise ConfigError(f"speculative_config.{unknown[0]} is not supported (known: "
                               f"{', '.join(sorted(known))})")
+        if "model" in fields and "method" not in fields:  # as vLLM infers it
+            fields = {**fields, "method": "draft_model"}
         high = fields.get("prompt_lookup_max")
         if isinstance(high, int) and "prompt_lookup_min" not in fields:
             fields = {**fields, "prompt_lookup_min": min(high, LOOKUP_MIN)}

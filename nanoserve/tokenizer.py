@@ -97,6 +97,13 @@ class Tokenizer:
         view from)."""
         return str(self._tok.to_str())
 
+    def same_vocabulary(self, other: Tokenizer) -> bool:
+        """Whether `other` maps every token id to the same string (a draft model's tokens
+        must mean the target's): the two vocabularies, added tokens included, are equal."""
+        return (self.vocab_size == other.vocab_size
+                and self._tok.get_vocab(with_added_tokens=True)
+                == other._tok.get_vocab(with_added_tokens=True))
+
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         # A batch of one, not `encode`: tokenizers' single `encode` holds the GIL for its
         # whole run, and its batch calls release it. The server tokenizes in a worker

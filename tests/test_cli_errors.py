@@ -88,7 +88,7 @@ CASES: list[Any] = [
      S + f"argument --seed: must be a seed: an integer from 0 to {INT64_MAX}, got -1"),
     ("nanoserve", _serve("--speculative-config", '{"method": "eagle"}'),
      S + "argument --speculative-config: speculative_config.method must be one of ngram, "
-     "got 'eagle'"),
+     "draft_model, got 'eagle'"),
     ("nanoserve", _serve("--speculative-config", '{"num_speculative_tokens": 4,'),
      S + "argument --speculative-config: speculative_config is not valid JSON: Expecting "
      "property name enclosed in double quotes: line 1 column 30 (char 29)"),

@@ -9,6 +9,8 @@ changed field is where one is rejected."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from support.drain import drain, tokens
 
@@ -77,7 +79,10 @@ def test_speculative_config_errors_name_the_field() -> None:
     assert "speculative_config.method" in refused('{"method": "eagle"}')
     assert "speculative_config.num_speculative_tokens" in refused(
         '{"num_speculative_tokens": 0}')
-    assert "speculative_config.model is not supported" in refused('{"model": "x"}')
+    assert "only of it" in refused('{"method": "ngram", "model": "x"}')
+    assert "only of it" in refused('{"method": "draft_model"}')
+    assert "speculative_config.model must be" in refused('{"model": ""}')
+    assert SpeculativeConfig.parse('{"model": "x"}').method == "draft_model"  # as vLLM infers
     assert "exceeds prompt_lookup_max" in refused(
         '{"prompt_lookup_min": 5, "prompt_lookup_max": 3}')
     assert "not valid JSON" in refused("{method: ngram}")
@@ -295,3 +300,120 @@ def test_sim_takes_the_speculative_config_as_an_engine_setting() -> None:
     assert c.speculative == SpeculativeConfig(num_speculative_tokens=8, prompt_lookup_max=3)
     with pytest.raises(ValueError, match="speculative_config.method"):
         engine_config(['speculative_config={"method": "eagle"}'])
+
+
+# -- draft models ---------------------------------------------------------------------------
+
+
+def _tiny_checkpoint(folder: Path, smollm2_folder: Path, seed: int, layers: int) -> str:
+    """A tiny random Llama written by transformers' own classes, with SmolLM2's tokenizer."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, max_position_embeddings=512, tie_word_embeddings=True,
+                      bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # larger than init scale: outputs that depend on the context
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * (0.5 if p.dim() > 1 else 0.1) + (p.dim() == 1))
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_folder / name, folder / name)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory: pytest.TempPathFactory, smollm2_folder: Path
+              ) -> tuple[str, str]:
+    """A target (two layers) and an unrelated draft (one layer, another seed)."""
+    root = tmp_path_factory.mktemp("drafts")
+    return (_tiny_checkpoint(root / "target", smollm2_folder, seed=0, layers=2),
+            _tiny_checkpoint(root / "draft", smollm2_folder, seed=1, layers=1))
+
+
+def _draft_run(target: str, spec: SpeculativeConfig | None, prompts: list[list[int]],
+               params: SamplingParams) -> tuple[dict[str, list[int]], Engine]:
+    from nanoserve.model import load
+
+    model, tok = load(target)
+    e = Engine(model, tok, EngineConfig(block_size=4, num_blocks=128, max_model_len=256,
+                                        speculative=spec))
+    for i, p in enumerate(prompts):
+        e.add_request(p, params, f"r{i}")
+    return tokens(drain(e)), e
+
+
+@pytest.mark.parametrize("draft", ["itself", "unrelated"])
+def test_a_draft_models_proposals_keep_the_targets_greedy_tokens(
+        tiny_pair: tuple[str, str], tok: Tokenizer, draft: str) -> None:
+    """The draft proposes by greedy decoding in its own cache; the target keeps its own
+    tokens. A draft that is the target has every proposal kept (four tokens a step and the
+    bonus); an unrelated one has few kept, and the output is the same either way."""
+    target, other = tiny_pair
+    path = target if draft == "itself" else other
+    spec = SpeculativeConfig.parse({"model": path, "num_speculative_tokens": 4,
+                                    "adaptive": False})
+    prompts = [tok.encode("The capital of France is"), tok.encode("def add(a, b):")]
+    params = SamplingParams(temperature=0.0, max_tokens=21, ignore_eos=True)
+    want, plain = _draft_run(target, None, prompts, params)
+    got, e = _draft_run(target, spec, prompts, params)
+    assert got == want
+    assert e.drafter is not None
+    kept, proposed = e.spec.accepted_tokens, e.spec.draft_tokens
+    if draft == "itself":
+        assert kept == proposed == 2 * 16  # 1 + 5 + 5 + 5 + 5 tokens a request
+        assert e.num_steps == 5 < plain.num_steps == 21
+    else:
+        assert proposed > 0
+        assert kept < proposed // 2
+    # every request's blocks are back in the draft's pool
+    assert e.drafter.seqs == {}
+    assert e.drafter.pool.num_free == 128
+
+
+def test_a_hang_up_gives_the_drafts_blocks_back(tiny_pair: tuple[str, str],
+                                                tok: Tokenizer) -> None:
+    from nanoserve.model import load
+
+    target, other = tiny_pair
+    model, _ = load(target)
+    spec = SpeculativeConfig.parse({"model": other, "num_speculative_tokens": 3})
+    e = Engine(model, tok, EngineConfig(block_size=4, num_blocks=128, max_model_len=256,
+                                        speculative=spec))
+    e.add_request(tok.encode("one two three four five"), SamplingParams(max_tokens=50), "a")
+    for _ in range(3):
+        e.step()
+    assert e.drafter is not None
+    held = list(e.drafter.seqs["a"].blocks)
+    assert held
+    e.abort_request("a")
+    assert e.drafter.seqs == {}
+    assert e.drafter.pool.num_free == 128
+    assert set(held) <= set(e.drafter.pool.free_list())
+
+
+def test_a_draft_with_another_tokenizer_is_refused(tiny_pair: tuple[str, str], tok: Tokenizer,
+                                                   tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    from nanoserve.model import load
+
+    target, other = tiny_pair
+    changed = tmp_path / "changed"
+    shutil.copytree(other, changed)
+    vocab = json.loads((changed / "tokenizer.json").read_text())
+    model_vocab = vocab["model"]["vocab"]  # two words trade ids: the same size, other ids
+    a, b = [w for w in model_vocab if w.isalpha() and len(w) > 3][:2]
+    model_vocab[a], model_vocab[b] = model_vocab[b], model_vocab[a]
+    (changed / "tokenizer.json").write_text(json.dumps(vocab))
+    model, _ = load(target)
+    spec = SpeculativeConfig.parse({"model": str(changed)})
+    with pytest.raises(ConfigError, match="speculative_config.model .* does not share"):
+        Engine(model, tok, EngineConfig(block_size=4, num_blocks=16, max_model_len=64,
+                                        speculative=spec))

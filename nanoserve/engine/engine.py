@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from nanoserve.config import EngineConfig
+from nanoserve.config import ConfigError, EngineConfig
 from nanoserve.engine.admission import Prepared, check_request, first_completion
+from nanoserve.engine.draft import DraftProposer
 from nanoserve.engine.kv import BlockPool, KVManager
 from nanoserve.engine.outputs import EngineStats, StepResult, final_update, token_update
 from nanoserve.engine.parallel_sampling import ParentRequests, share_prompt, unforked_finals
@@ -57,6 +58,7 @@ class Engine:
         self.grammars = Grammars(tokenizer, model.config.vocab_size)
         self.runner = ModelRunner(model, self.kv, bs, self.eos_token_ids, self.grammars)
         self.spec = SpecCounters()
+        self.drafter = self._drafter(layout.num_blocks)
         self.requests: dict[str, Request] = {}  # live requests by their own id
         self.parents = ParentRequests()  # caller's id -> its live completions
         self.num_steps = 0
@@ -66,6 +68,22 @@ class Engine:
         self._finished = 0
         self._aborted = 0
         self._failed = 0
+
+    def _drafter(self, num_blocks: int) -> DraftProposer | None:
+        """The draft model's proposer, where the speculative config names one: loaded as
+        `serve --model` would load it, on the target's device, with as many blocks as the
+        target's pool (a draft's blocks are smaller). Its tokenizer must be the target's."""
+        spec = self.config.speculative
+        if spec is None or spec.model is None:
+            return None
+        from nanoserve.model import load
+
+        draft, tok = load(spec.model, device=str(self.model.device))
+        if not self.tokenizer.same_vocabulary(tok):
+            raise ConfigError(f"speculative_config.model {spec.model!r} does not share the "
+                              "target's tokenizer (a draft model must propose its tokens)")
+        return DraftProposer(draft, num_blocks, self.config.block_size,
+                             self.model.config.vocab_size)
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -191,8 +209,12 @@ class Engine:
             if k < 1 or not speculates(r):
                 r.spec_rate += DRIFT * (PRIOR - r.spec_rate)
                 continue
-            r.draft = allowed_prefix(r, ngram_proposal(r.token_ids, k, spec.prompt_lookup_min,
-                                                       spec.prompt_lookup_max))
+            if self.drafter is not None:
+                proposal = self.drafter.propose(r.request_id, r.token_ids, k)
+            else:
+                proposal = ngram_proposal(r.token_ids, k, spec.prompt_lookup_min,
+                                          spec.prompt_lookup_max)
+            r.draft = allowed_prefix(r, proposal)
             if r.draft:
                 drafted.append(r)
         return drafted
@@ -248,6 +270,8 @@ class Engine:
 
     def _finish(self, req: Request, ending: Ending, new_tokens: tuple[int, ...] = ()) -> Update:
         self.scheduler.remove(req)
+        if self.drafter is not None:
+            self.drafter.drop(req.request_id)
         req.status = Status.FINISHED
         req.finish_reason, req.stop_reason, req.error = (ending.reason, ending.stop_reason,
                                                          ending.error)
