@@ -417,3 +417,29 @@ def test_a_draft_with_another_tokenizer_is_refused(tiny_pair: tuple[str, str], t
     with pytest.raises(ConfigError, match="speculative_config.model .* does not share"):
         Engine(model, tok, EngineConfig(block_size=4, num_blocks=16, max_model_len=64,
                                         speculative=spec))
+
+
+def test_a_failing_draft_costs_its_proposals_not_the_step(tiny_pair: tuple[str, str],
+                                                          tok: Tokenizer) -> None:
+    from nanoserve.model import load
+
+    target, other = tiny_pair
+    spec = SpeculativeConfig.parse({"model": other, "num_speculative_tokens": 3,
+                                    "adaptive": False})
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompt = tok.encode("one two three four five")
+    want, _ = _draft_run(target, None, [prompt], params)
+    model, _ = load(target)
+    e = Engine(model, tok, EngineConfig(block_size=4, num_blocks=128, max_model_len=256,
+                                        speculative=spec))
+    assert e.drafter is not None
+
+    def broken(batch: object) -> object:
+        raise RuntimeError("the draft's forward failed")
+
+    e.drafter.model.forward = broken  # type: ignore[method-assign]
+    e.add_request(prompt, params, "r0")
+    assert tokens(drain(e)) == want
+    assert e.spec.draft_tokens == 0
+    assert e.drafter.seqs == {}
+    assert e.drafter.pool.num_free == 128

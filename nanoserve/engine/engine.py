@@ -210,7 +210,11 @@ class Engine:
                 r.spec_rate += DRIFT * (PRIOR - r.spec_rate)
                 continue
             if self.drafter is not None:
-                proposal = self.drafter.propose(r.request_id, r.token_ids, k)
+                try:
+                    proposal = self.drafter.propose(r.request_id, r.token_ids, k)
+                except Exception:  # a failing draft costs its proposals, not the step
+                    self.drafter.drop(r.request_id)
+                    proposal = []
             else:
                 proposal = ngram_proposal(r.token_ids, k, spec.prompt_lookup_min,
                                           spec.prompt_lookup_max)

@@ -4,7 +4,8 @@
 // multiply it by a float32 activation: per 16 weights a widening, a lookup and a fused
 // multiply-add, which on a Zen 4 core is instruction-bound below the memory's speed. This
 // path does what llama.cpp does at batch 1: it rounds the one row of x to int8, one scale
-// per 32 values (the largest magnitude maps to 127, as llama.cpp's Q8_0), and multiplies
+// per 32 values (the largest magnitude maps to 127, as llama.cpp's Q8_0; per 256 for Q4_K,
+// as its Q8_K), and multiplies
 // the weights' raw quants by those int8s in integer dot products, four byte products summed
 // into each 32-bit lane (AVX-512 VNNI's or AVX-VNNI's vpdpbusd where the CPU has it; else
 // AVX2's vpmaddubsw and vpmaddwd, the same sums). Each unit's scale is applied once, to its
@@ -13,11 +14,10 @@
 // quants' products see rounded activations (llama.cpp rounds those sums too).
 //
 // The integer sums do not depend on how they are formed (no product or pair overflows 16
-// bits: at most 2 * 128 * 127), so VNNI changes no bit. The float work is the same 256-bit
-// code in the AVX2 and AVX-512 builds, and so are its bits, but for Q4_K: the AVX-512 build
-// takes its two units of 32 bytes in one 512-bit register (two threads from DRAM, 36 MB:
-// 25.5 against 29.3 GB/s), which orders the additions otherwise. A weight is read once, its
-// rows split among threads.
+// bits: at most 2 * 128 * 127; no superblock's sum overflows 32), so VNNI changes no bit.
+// The float work is the same 256-bit code in the AVX2 and AVX-512 builds, and Q4_K's
+// integer lanes hold the same sums in both (its kernel below), so the two builds give the
+// same bits. A weight is read once, its rows split among threads.
 //
 // Formats: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K (the synthetic Q4_0 and Q4_K_M files,
 // SmolLM2's Q4_1 and Q8_0 head, Gemma's). Q5_K, F16 and BF16 keep the exact path.
