@@ -443,3 +443,29 @@ def test_a_failing_draft_costs_its_proposals_not_the_step(tiny_pair: tuple[str, 
     assert e.spec.draft_tokens == 0
     assert e.drafter.seqs == {}
     assert e.drafter.pool.num_free == 128
+
+
+def test_a_drafts_cache_cut_back_proposes_what_a_fresh_one_does(
+        tiny_pair: tuple[str, str], tok: Tokenizer) -> None:
+    """After the target keeps part of a proposal (or all of it, or none), and steps without
+    proposals add tokens, the draft's cache holds the kept tokens' K/V and none of the
+    refused ones': its next proposal is the one a draft that never proposed before makes
+    from the same tokens."""
+    from nanoserve.engine.draft import DraftProposer
+    from nanoserve.model import load
+
+    _, other = tiny_pair
+
+    def proposer() -> DraftProposer:
+        return DraftProposer(load(other)[0], 64, 4, 49152)
+
+    tokens = tok.encode("one two three four five")
+    cached = proposer()
+    last = cached.propose("a", tokens, 4)
+    for kept in (1, 4, 0):  # of the last proposal's four, then the target's own token,
+        assert len(last) == 4  # then two more of steps that proposed nothing
+        tokens = tokens + last[:kept] + [(last[kept] + 1) % 49152 if kept < 4 else 7, 11, 12]
+        want = proposer().propose("a", tokens, 4)
+        assert cached.propose("a", tokens, 4) == want
+        assert cached.seqs["a"].ids == tokens + want[:3]
+        last = want

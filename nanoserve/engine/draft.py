@@ -9,7 +9,8 @@ gained since the last one (the prompt, at first; then the tokens the target kept
 forward, whose last row gives the first proposed token; each further token is one more
 forward of one row. Where the target refused part of the last proposal, the draft's cache
 past the kept tokens is simply overwritten: a sequence's entry is cut back to its longest
-prefix that is still the sequence's.
+prefix that is still the sequence's. A sequence only grows, so that is only a question for
+the proposal's tokens: everything before them was the sequence's own.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ from nanoserve.model.base import ForwardBatch, Model
 
 @dataclass
 class _Cached:
-    """A sequence in the draft's cache: the tokens whose K/V it holds, in order, and the
-    blocks they (and the next proposal) live in."""
+    """A sequence in the draft's cache: the tokens whose K/V it holds, in order, the
+    blocks they (and the next proposal) live in, and how many of them were the sequence's
+    own when it last proposed (the rest were proposed tokens, kept or not)."""
 
     ids: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
+    own: int = 0
 
 
 class DraftProposer:
@@ -42,7 +45,6 @@ class DraftProposer:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.seqs: dict[str, _Cached] = {}
-        self.forwards = 0  # the draft's forward passes, for tests and benchmarks
 
     def propose(self, seq_id: str, tokens: Sequence[int], k: int) -> list[int]:
         """Up to `k` tokens the draft picks greedily after `tokens`; fewer where its pool
@@ -50,9 +52,12 @@ class DraftProposer:
         if k < 1 or not tokens:
             return []
         c = self.seqs.setdefault(seq_id, _Cached())
-        keep = _common_prefix(c.ids, tokens)
+        keep = c.own  # then as many of the proposed tokens as the sequence kept
+        while keep < min(len(c.ids), len(tokens)) and c.ids[keep] == tokens[keep]:
+            keep += 1
         keep = min(keep, len(tokens) - 1)  # at least one token in: its row gives the first
         del c.ids[keep:]
+        c.own = keep
         if not self._room(c, len(tokens) + k - 1):
             return []
         out: list[int] = []
@@ -61,7 +66,8 @@ class DraftProposer:
             start = len(c.ids)
             c.ids += new
             logits = self.model.forward(self._batch(c, start, new))
-            self.forwards += 1
+            if not out:  # every token of the sequence is in now
+                c.own = len(c.ids)
             token = int(logits[0].argmax())
             if token >= self.vocab_size:
                 break
@@ -98,18 +104,3 @@ class DraftProposer:
             block_tables=[c.blocks[: -(-end // bs)]], logits_indices=[len(new) - 1],
             histories=[c.ids], seeds=[0])
 
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """The length of the longest common prefix of `a` and `b`: one comparison where all of
-    the shorter still matches (the usual case: a sequence only grows), else a bisection."""
-    n = min(len(a), len(b))
-    if list(a[:n]) == list(b[:n]):
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo]; a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if list(a[:mid]) == list(b[:mid]):
-            lo = mid
-        else:
-            hi = mid
-    return lo

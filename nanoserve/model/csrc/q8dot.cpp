@@ -345,9 +345,6 @@ float q4k_row(const Act8& x, const uint8_t* row, int64_t nb) {
     const int8_t* a = x.q.data() + 256 * i;
     int64_t scales;  // the eight units' scales, a byte each
     std::memcpy(&scales, sm, 8);
-    // pick(u): unit u's scale as a 16-bit integer (byte u, then a zero byte).
-    const auto pick = [](int u) { return static_cast<char>(u); };
-    const char z = static_cast<char>(0x80);
 #if defined(NANOSERVE_AVX512)
     // 64 bytes of quants: units 4h and 4h + 2 in their low nibbles, 4h + 1 and 4h + 3 in
     // their high ones; Act8 stored x's units in that order (pairs).
@@ -360,8 +357,11 @@ float q4k_row(const Act8& x, const uint8_t* row, int64_t nb) {
       const __m512i lo = _mm512_maddubs_epi16(_mm512_and_si512(v, m), _mm512_loadu_si512(a + 128 * h));
       const __m512i hi = _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(v, 4), m),
                                               _mm512_loadu_si512(a + 128 * h + 64));
-      const char u0 = pick(4 * h), u1 = pick(4 * h + 1), u2 = pick(4 * h + 2), u3 = pick(4 * h + 3);
-      // vpshufb picks within each 128-bit lane, and each lane holds the eight scales
+      // Unit u's scale as a 16-bit integer: byte u, then a zero byte (z). vpshufb picks
+      // within each 128-bit lane, and each lane holds the eight scales.
+      const char u0 = static_cast<char>(4 * h), u1 = static_cast<char>(4 * h + 1),
+                 u2 = static_cast<char>(4 * h + 2), u3 = static_cast<char>(4 * h + 3),
+                 z = static_cast<char>(0x80);
       const __m512i lo_sc = _mm512_set_epi8(
           z, u2, z, u2, z, u2, z, u2, z, u2, z, u2, z, u2, z, u2, z, u2, z, u2, z, u2, z, u2, z, u2, z, u2, z, u2,
           z, u2, z, u0, z, u0, z, u0, z, u0, z, u0, z, u0, z, u0, z, u0, z, u0, z, u0, z, u0, z, u0, z, u0, z, u0,
