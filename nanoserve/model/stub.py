@@ -6,8 +6,12 @@ runners-up. To emit what a real model emits, multi-byte fragments included, the 
 usually continues a bigram table built from a small built-in text (English, CJK, emoji with
 ZWJ sequences and skin tones) tokenized with the real tokenizer, so a three-token emoji
 comes out as its three tokens in order. With probability `eos_prob` per token the top token
-is EOS, so finish=stop paths run. Everything else is -10, so sampling stays on the handful
-of candidates, but among them it spreads as a trained model's does: SmolLM2 at temperature 1
+is EOS, so finish=stop paths run. With probability `copy_prob` per token it copies instead
+(`copied`): it says what followed the last earlier occurrence of the history's longest
+ending of at most four tokens, as an agent's answer quotes its prompt, so that speculative
+decoding's n-gram proposals are kept at the rate a capacity plan is given
+(sim/capacity/acceptance.py). Everything else is -10, so sampling stays on the handful of
+candidates, but among them it spreads as a trained model's does: SmolLM2 at temperature 1
 gives its top token 45% of the mass on average and draws another token 55% of the time
 (768 draws over eight prompts); the candidates' logits below give the top one 48% and
 another draw 52%. (They were once 10, 6, 5, 4, 3, 2: 97% on the top token, so sampled
@@ -44,6 +48,27 @@ STUB_CONTEXT = 8192  # the stub's context length, as SmolLM2's
 # reasoning), replayable from a trace.
 SAY_OPEN, SAY_CLOSE = "⟪say⟫", "⟪/say⟫"
 _SCRIPTS_KEPT = 1024  # sequences whose script (or its absence) is remembered
+_COPY_SPAN = 4  # the longest ending `copied` looks up: the n-gram proposer's default most
+_COPY_SALT = 0x2545F4914F6CDD1D  # the copy coin's hash is its own, apart from EOS's bits
+
+
+def copied(hist: Sequence[int], upto: int) -> int:
+    """What copying says after hist[:upto]: the token that followed the last earlier
+    occurrence of its longest ending of at most _COPY_SPAN tokens; where its last token
+    never occurred before (the stub's own words between copies), the history's first, so
+    copying starts again from the top of the prompt."""
+    seq = np.asarray(hist[:upto], dtype=np.int64)
+    ends = np.flatnonzero(seq[:-1] == seq[-1])
+    if ends.size == 0:
+        return int(seq[0])
+    best = ends
+    for back in range(1, min(_COPY_SPAN, upto - 1)):
+        longer = best[best >= back]
+        longer = longer[seq[longer - back] == seq[upto - 1 - back]]
+        if longer.size == 0:
+            break
+        best = longer
+    return int(seq[best[-1] + 1])
 
 
 class Scripts:
@@ -124,11 +149,14 @@ class StubModel:
         tokenizer: Tokenizer,
         *,
         eos_prob: float = 0.0,
+        copy_prob: float = 0.0,
         max_position_embeddings: int = STUB_CONTEXT,
         device: str = "cpu",
     ) -> None:
         if not 0.0 <= eos_prob <= 1.0:
             raise ValueError(f"stub eos_prob must be in [0, 1], got {eos_prob}")
+        if not 0.0 <= copy_prob <= 1.0:
+            raise ValueError(f"stub copy_prob must be in [0, 1], got {copy_prob}")
         eos = tokenizer.eos_token_ids
         self.config = ModelConfig(
             vocab_size=tokenizer.vocab_size,
@@ -160,6 +188,8 @@ class StubModel:
         for a, b in self._next.items():
             self._next_array[a] = b
         self._eos_cut = int(eos_prob * (1 << 32))
+        self.copy_prob = copy_prob
+        self._copy_cut = int(copy_prob * (1 << 32))
         self._eos_cut_u64 = np.uint64(self._eos_cut)
         self._pool_len = np.uint64(len(self._pool_array))
         self._values = torch.tensor([10.0, 9.25, 8.75, 8.25, 7.75, 7.25])[:_NUM_CANDIDATES]
@@ -177,7 +207,7 @@ class StubModel:
 
     def next_tokens(self, history: Sequence[int], seed: int) -> list[int]:
         """The row's candidates, best first: what its logits rank highest."""
-        return self._candidates(len(history), history[-4:], seed)
+        return self._candidates(history, len(history), seed)
 
     @staticmethod
     def _hash(length: int, tail: Sequence[int], seed: int) -> int:
@@ -194,17 +224,25 @@ class StubModel:
             h ^= h >> 31
         return h
 
-    def _candidates(self, length: int, tail: Sequence[int], seed: int) -> list[int]:
-        h = self._hash(length, tail, seed)
+    def _copies(self, h: int) -> bool:
+        """The copy coin of a row whose hash is `h`."""
+        return self._copy_cut > 0 and (mix64(h ^ _COPY_SALT) & 0xFFFFFFFF) < self._copy_cut
+
+    def _candidates(self, hist: Sequence[int], upto: int, seed: int) -> list[int]:
+        """The candidates after hist[:upto], best first."""
+        tail = hist[max(0, upto - _TAIL):upto]
+        h = self._hash(upto, tail, seed)
         pool = self._vocab_pool
         out: list[int] = []
         if (h & 0xFFFFFFFF) < self._eos_cut:
             out.append(self._eos)
+        elif upto and self._copies(h):
+            out.append(copied(hist, upto))
         last = tail[-1] if tail else -1
         follow = self._next.get(last)
         # Continue the corpus most of the time (so multi-byte characters complete), jump
         # elsewhere in it otherwise (so outputs differ between histories).
-        if follow is not None and (h >> 32) % 4 != 0:
+        if follow is not None and (h >> 32) % 4 != 0 and follow not in out:
             out.append(follow)
         x = h
         while len(out) < _NUM_CANDIDATES:
@@ -214,11 +252,14 @@ class StubModel:
                 out.append(t)
         return out[:_NUM_CANDIDATES]
 
-    def _top(self, length: int, tail: Sequence[int], seed: int) -> int:
-        """`_candidates(...)[0]` without the runners-up: the same three cases in order."""
-        h = self._hash(length, tail, seed)
+    def _top(self, hist: Sequence[int], upto: int, seed: int) -> int:
+        """`_candidates(...)[0]` without the runners-up: the same four cases in order."""
+        tail = hist[max(0, upto - _TAIL):upto]
+        h = self._hash(upto, tail, seed)
         if (h & 0xFFFFFFFF) < self._eos_cut:
             return self._eos
+        if upto and self._copies(h):
+            return copied(hist, upto)
         follow = self._next.get(tail[-1] if tail else -1)
         if follow is not None and (h >> 32) % 4 != 0:
             return follow
@@ -239,7 +280,7 @@ class StubModel:
         for (row, upto), token in zip(rows, said, strict=True):
             hist = batch.histories[row]
             out.append(token if token is not None
-                       else self._top(upto, hist[max(0, upto - 4) : upto], batch.seeds[row]))
+                       else self._top(hist, upto, batch.seeds[row]))
         return out
 
     def _top_array(self, batch: ForwardBatch, rows: list[tuple[int, int]]) -> list[int]:
@@ -258,7 +299,12 @@ class StubModel:
         picks = mix64_array(h) % self._pool_len
         pool = self._pool_array[picks.astype(np.int64)]
         out = np.where(take_follow, follow, pool)
-        if self._eos_cut:
+        if self._copy_cut:
+            coin = (mix64_array(h ^ np.uint64(_COPY_SALT)) & _LOW32) < np.uint64(self._copy_cut)
+            for i in np.flatnonzero(coin).tolist():
+                row, upto = rows[i]
+                out[i] = copied(batch.histories[row], upto)
+        if self._eos_cut:  # EOS before a copy, as in _top
             out = np.where((h & _LOW32) < self._eos_cut_u64, self._eos, out)
         return out.tolist()
 
@@ -295,7 +341,7 @@ class StubModel:
             # The history up to and including the token at `idx`.
             upto = batch.context_lens[row] - (ends[row] - 1 - idx)
             hist = batch.histories[row]
-            cands = self._candidates(upto, hist[max(0, upto - 4) : upto], batch.seeds[row])
+            cands = self._candidates(hist, upto, batch.seeds[row])
             token = self._scripts.next_token(hist, upto)
             if token is not None:  # first, the rest keep their order
                 cands = [token, *[t for t in cands if t != token]][:_NUM_CANDIDATES]

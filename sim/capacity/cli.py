@@ -3,12 +3,12 @@
   sim capacity (TRACE | --trace FILE | --load SPEC) --cost COST.json [--sweep rate=1,2,4,8]
                [--sweep num_blocks=...] [--sweep max_num_seqs=...] [--slo ttft_p99=2s,...]
                [--seeds 3] [--warmup 0.1] [--replicas N --router KIND] [--max-queue N]
-               [--engine k=v ...] [--out PREFIX] [--no-plots] [--jobs N]
+               [--engine k=v ...] [--acceptance RATE] [--out PREFIX] [--no-plots] [--jobs N]
                [--executor process|ray [--ray-address ADDR]]
                [--trace-format F] [--start S] [--duration S] [--speedup X] [--ignore-prefixes]
   sim profile --model smollm2 [--out COST.json] [--quick]
-  sim validate (--load SPEC | --trace FILE) --cost COST.json [--runs 3] [--engine k=v ...]
-               [--report FILE]
+  sim validate (--load SPEC | --trace FILE | --workload copy) --cost COST.json [--runs 3]
+               [--engine k=v ...] [--acceptance RATE] [--report FILE]
 
 A TRACE is a nanoserve virtual-clock trace or a public one: Mooncake or Alibaba JSONL (with
 prefix blocks: prompts are built to share exactly the blocks the trace says they share),
@@ -29,6 +29,7 @@ from typing import Any
 from nanoserve import flags
 from nanoserve.progress import LabelledProgress
 from nanoserve.tokenizer import Tokenizer
+from sim.capacity.acceptance import copy_prob_for
 from sim.capacity.cost import load_cost_model
 from sim.capacity.fleet import ROUTERS
 from sim.capacity.metrics import parse_slo
@@ -74,6 +75,11 @@ def add_parser(sub: Any) -> None:
                    help="the server's --max-queue: a request beyond N waiting gets 429")
     p.add_argument("--engine", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                    help=f"engine settings ({', '.join(ENGINE_KEYS)})")
+    p.add_argument("--acceptance", type=flags.fraction, metavar="RATE",
+                   help="with --engine speculative_config=...: the fraction of proposed "
+                   "tokens kept, as `nanoserve bench --speculative-config` or /metrics "
+                   "measured it; the stub copies at the rate that gives it "
+                   "(sim/capacity/acceptance.py) [the stub's own: it copies nothing]")
     p.add_argument("--search-start", type=flags.positive_float, metavar="RATE",
                    help="first rate the SLO search tries [the highest swept rate meeting it]")
     p.add_argument("--out", default="capacity", metavar="PREFIX",
@@ -136,6 +142,12 @@ def run_capacity(a: argparse.Namespace) -> int:
     else:
         seeds = [0]
         workloads = [file_workload(a.trace, tok, **trace_options(a))]
+    if a.acceptance is not None:
+        p, got = copy_prob_for(a.acceptance, workloads[0], cost, tok, engine)
+        plan = dataclasses.replace(plan, acceptance=a.acceptance, copy_prob=p,
+                                   fit_acceptance=got)
+        print(f"speculation: acceptance {a.acceptance:.3f} asked, {got:.3f} simulated "
+              f"(the stub copies {p:.3f} of its tokens)")
     pool = make_executor(a.executor, a.jobs, a.ray_address)
     with pool if pool is not None else nullcontext(None) as executor:
         progress = LabelledProgress(enabled=not a.quiet,

@@ -55,7 +55,7 @@ class Record:
     frames: int = 0
     first_token_s: float | None = None
     finish_s: float | None = None
-    token_times: list[float] = field(default_factory=list)  # end of each step that gave one
+    token_times: list[float] = field(default_factory=list)  # each token's: its step's end
 
     def observe(self, u: Update, t: float) -> None:
         """Account one update that reached the client at `t`: tokens, frames (one per update
@@ -65,7 +65,9 @@ class Record:
                 self.first_token_s = t
                 self.cached_tokens = u.num_cached_tokens
             self.output_tokens += len(u.new_token_ids)
-            self.token_times.append(t)
+            # A time per token: a checked proposal's kept tokens arrive in one update, and
+            # TPOT and ITL count tokens (metrics.py), as `sim bench` does.
+            self.token_times.extend([t] * len(u.new_token_ids))
         if u.text or u.finished:
             self.frames += 1
         if u.finished:

@@ -68,17 +68,18 @@ class SeedTask:
 def run_task(task: SeedTask) -> Outcome:
     """A worker's whole job: the seed's summary, and its result without the records (the
     per-request lists are most of its size and nothing after the summary reads them)."""
-    tok, model = _model(task.tokenizer, task.config)
+    tok, model = _model(task.tokenizer, task.config, task.plan.copy_prob)
     summary, result = run_seed(task.workload, task.rate, task.num_blocks, task.config,
                                task.cost, task.plan, model, tok)
     return summary, dataclasses.replace(result, records=()) if task.timeline else None
 
 
-def _model(source: str | Tokenizer, config: EngineConfig) -> tuple[Tokenizer, StubModel]:
+def _model(source: str | Tokenizer, config: EngineConfig,
+           copy_prob: float) -> tuple[Tokenizer, StubModel]:
     if isinstance(source, Tokenizer):
-        return source, stub_model(source, config)
+        return source, stub_model(source, config, copy_prob)
     tok = _named_tokenizer(source)
-    return tok, _stub(tok, config.max_model_len)
+    return tok, _stub(tok, config.max_model_len, copy_prob)
 
 
 @functools.lru_cache(maxsize=4)
@@ -87,8 +88,8 @@ def _named_tokenizer(name: str) -> Tokenizer:
 
 
 @functools.lru_cache(maxsize=4)
-def _stub(tok: Tokenizer, max_model_len: int | None) -> StubModel:
-    return stub_model(tok, EngineConfig(max_model_len=max_model_len))
+def _stub(tok: Tokenizer, max_model_len: int | None, copy_prob: float) -> StubModel:
+    return stub_model(tok, EngineConfig(max_model_len=max_model_len), copy_prob)
 
 
 class RayExecutor(Executor):

@@ -44,6 +44,11 @@ class Plan:
     warmup: float = 0.1
     slo: Slo | None = None
     tol: float = 0.02
+    # Speculation's acceptance rate the plan was given (--acceptance), the stub's copy
+    # probability found for it (acceptance.py) and the rate that gave in the fit.
+    acceptance: float | None = None
+    copy_prob: float = 0.0
+    fit_acceptance: float | None = None
 
 
 def default_num_blocks(cost: CostModel, engine: EngineConfig) -> int:
@@ -55,12 +60,13 @@ def default_num_blocks(cost: CostModel, engine: EngineConfig) -> int:
     return engine.kv_cache_memory // per_block if per_block else engine.stub_num_blocks
 
 
-def stub_model(tokenizer: Tokenizer, engine: EngineConfig) -> StubModel:
+def stub_model(tokenizer: Tokenizer, engine: EngineConfig,
+               copy_prob: float = 0.0) -> StubModel:
     """The stub the simulated engines share (it is stateless), with context enough for
     the plan's max_model_len: planning a long-context model on a long trace (Mooncake's
     prompts reach 120k tokens) needs `--engine max_model_len=131072`, and the engine
     refuses a max_model_len past its model's context."""
-    return StubModel(tokenizer,
+    return StubModel(tokenizer, copy_prob=copy_prob,
                      max_position_embeddings=max(STUB_CONTEXT, engine.max_model_len or 0))
 
 
@@ -110,7 +116,7 @@ class Planner:
         self.workloads = list(workloads)
         self.cost = cost
         self.plan = plan
-        self.model = stub_model(tokenizer, plan.engine)
+        self.model = stub_model(tokenizer, plan.engine, plan.copy_prob)
         self.tokenizer = tokenizer
         self.progress = progress
         self._cache: dict[tuple[float | None, int, int], tuple[list[dict[str, Any]],

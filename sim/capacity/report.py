@@ -11,6 +11,7 @@ PNG when metadata={"Software": None} is passed, so PNGs are reproducible too.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,7 +27,13 @@ def build_report(*, cost: CostModel, plan: Plan, source: str, seeds: Sequence[in
                  points: list[dict[str, Any]], searches: list[dict[str, Any]],
                  invalid: int = 0, trace: dict[str, Any] | None = None) -> dict[str, Any]:
     e = plan.engine
-    extra = {} if trace is None else {"trace": trace}
+    extra: dict[str, Any] = {} if trace is None else {"trace": trace}
+    if e.speculative is not None:
+        extra["speculation"] = {
+            "config": {k: v for k, v in dataclasses.asdict(e.speculative).items()
+                       if v is not None},
+            "acceptance": plan.acceptance, "fit_acceptance": plan.fit_acceptance,
+            "stub_copy_prob": plan.copy_prob}
     return {
         "nanoserve_capacity": CAPACITY_FORMAT,
         "cost_model": {"name": cost.name, "model": cost.model, "machine": cost.machine,

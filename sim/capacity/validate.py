@@ -40,6 +40,7 @@ from nanoserve.model.base import Model
 from nanoserve.model.quant import CHOICES
 from nanoserve.model.stub import StubModel
 from nanoserve.tokenizer import Tokenizer
+from sim.capacity.acceptance import acceptance, copy_prob_for
 from sim.capacity.calibrate import geometric_mean, machine_speed, scaled, steal_seconds
 from sim.capacity.cost import CostModel, load_cost_model
 from sim.capacity.fleet import SimResult, simulate
@@ -51,7 +52,7 @@ from sim.capacity.routers import ROUTERS, Router
 from sim.cli_util import add_trace_args, engine_config, guarded, trace_options
 from sim.files import atomic_write_text
 from sim.load.spec import parse_load_spec
-from sim.load.workload import Workload, file_workload, spec_workload
+from sim.load.workload import Workload, copy_workload, file_workload, spec_workload
 
 # Steps that took this much longer than their CPU time, or a host that stole this fraction
 # of a CPU, mark a run as measured on a busy host: its figures are flagged.
@@ -85,7 +86,18 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("validate", help="run the real engine on a load (wall clock) and "
                        "compare each metric with the simulator's prediction",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--load", metavar="SPEC", help="a load spec (or --trace FILE)")
+    p.add_argument("--load", metavar="SPEC", help="a load spec (or --trace FILE, or "
+                   "--workload copy)")
+    p.add_argument("--workload", choices=("copy",),
+                   help="copy: speculative decoding's 36 prompts whose answers copy from "
+                   "them (nanoserve/workloads.py), all at once, --copy-tokens each")
+    p.add_argument("--copy-tokens", type=flags.positive_int, default=64, metavar="N",
+                   help="output tokens of each --workload copy request [64]")
+    p.add_argument("--acceptance", type=flags.fraction, metavar="RATE",
+                   help="with --engine speculative_config=...: the plan's acceptance rate "
+                   "(tokens kept over proposed, as measured by `nanoserve bench "
+                   "--speculative-config`); the stub copies at the rate that gives it "
+                   "(sim/capacity/acceptance.py). The measured runs' own is shown beside")
     p.add_argument("--cost", required=True, type=flags.input_file, metavar="COST.json")
     p.add_argument("--threads", type=flags.positive_int, metavar="N",
                    help="torch CPU threads (recorded in the cost model's machine) [torch's]")
@@ -119,17 +131,20 @@ def _checked(a: argparse.Namespace) -> int:
 
 
 def simulated(workload: Workload, cost: CostModel, tokenizer: Any, config: EngineConfig,
-              replicas: int = 1, router: str = "round_robin") -> SimResult:
+              replicas: int = 1, router: str = "round_robin",
+              copy_prob: float = 0.0) -> SimResult:
     """The simulator's run of `workload`: stub engines (the stub keeps no KV, so the
-    replicas share one), the cost model's step durations."""
-    model = StubModel(tokenizer)
+    replicas share one; it copies `copy_prob` of its tokens), the cost model's step
+    durations."""
+    model = StubModel(tokenizer, copy_prob=copy_prob)
     return simulate(workload.requests, lambda: Engine(model, tokenizer, config), cost,
                     replicas=replicas, router=router)
 
 
 def predict(workload: Workload, cost: CostModel, tokenizer: Any, config: EngineConfig,
-            warmup: float, replicas: int = 1, router: str = "round_robin") -> dict[str, Any]:
-    result = simulated(workload, cost, tokenizer, config, replicas, router)
+            warmup: float, replicas: int = 1, router: str = "round_robin",
+            copy_prob: float = 0.0) -> dict[str, Any]:
+    result = simulated(workload, cost, tokenizer, config, replicas, router, copy_prob)
     return summarize(result, warmup=warmup, slo=None, num_blocks=config.num_blocks or 1,
                      replicas=replicas)
 
@@ -148,8 +163,8 @@ _REPORT_DEFAULTS = {"trace_format": None, "start": 0.0, "duration": None, "speed
 def run_validate(a: argparse.Namespace) -> int:
     if a.replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {a.replicas}")
-    if (a.load is None) == (a.trace is None):
-        raise ValueError("give --load SPEC or --trace FILE (one of them)")
+    if sum(x is not None for x in (a.load, a.trace, a.workload)) != 1:
+        raise ValueError("give --load SPEC, --trace FILE or --workload copy (one of them)")
     set_threads(a.threads)
     from nanoserve.model import load
 
@@ -165,8 +180,12 @@ def run_validate(a: argparse.Namespace) -> int:
         print(f"note: {a.replicas} replicas x {torch_threads()} torch threads > {cores} cores: "
               "the replicas will slow each other down (give --threads)", file=sys.stderr)
     workload = (spec_workload(parse_load_spec(a.load), tok, tok.vocab_size) if a.load else
+                copy_workload(tok, a.copy_tokens) if a.workload else
                 file_workload(a.trace, tok, **trace_options(a)))
-    sim = simulated(workload, cost, tok, config, a.replicas, a.router)
+    copy_prob, fit = 0.0, None
+    if a.acceptance is not None:
+        copy_prob, fit = copy_prob_for(a.acceptance, workload, cost, tok, config)
+    sim = simulated(workload, cost, tok, config, a.replicas, a.router, copy_prob)
     predicted = flat(summarize(sim, warmup=a.warmup, slo=None,
                                num_blocks=config.num_blocks or 1, replicas=a.replicas))
     measured = _measure_runs(a, workload, models, tok, cost, config, sim)
@@ -174,13 +193,15 @@ def run_validate(a: argparse.Namespace) -> int:
     now = scaled(cost, speed)
     rows = compare(predicted, measured.runs)
     rows_now = compare(flat(predict(workload, now, tok, config, a.warmup, a.replicas,
-                                    a.router)), measured.runs)
+                                    a.router, copy_prob)), measured.runs)
     known = [s for s in measured.steal if s is not None]
     fleet = f"{a.replicas} replicas, router {a.router}; " if a.replicas > 1 else ""
     head = (f"load {workload.source} on {a.model}; {fleet}cost model {cost.name}; {a.runs} runs; "
             f"steps took {statistics.fmean(measured.contention):.2f}x their CPU time "
             "(1 = idle cores)"
             + (f"; host steal {statistics.fmean(known):.0%} of a CPU" if known else ""))
+    if config.speculative is not None:
+        head += "\n" + _speculation_line(a.acceptance, copy_prob, sim, measured.acceptance)
     if a.replicas > 1:
         head += ("\nplaced on the simulator's replica: "
                  + " ".join(f"{p:.0%}" for p in measured.placed))
@@ -192,7 +213,10 @@ def run_validate(a: argparse.Namespace) -> int:
             f"x{measured.speeds[k + 1]:.3f} after" for k, c in enumerate(measured.contention))
         # Every flag that changes the measurement and is not at its default, so the line
         # reruns it (the trace's flags are at their defaults under --load).
-        given = f"--load {a.load}" if a.load else f"--trace {a.trace}"
+        given = (f"--load {a.load}" if a.load else
+                 f"--workload copy --copy-tokens {a.copy_tokens}" if a.workload else
+                 f"--trace {a.trace}")
+        given += "" if a.acceptance is None else f" --acceptance {a.acceptance}"
         given += "".join(f" --{k.replace('_', '-')} {getattr(a, k)}"
                          for k, d in _REPORT_DEFAULTS.items() if getattr(a, k) != d)
         given += " --ignore-prefixes" if a.ignore_prefixes else ""
@@ -210,6 +234,10 @@ def run_validate(a: argparse.Namespace) -> int:
                                            "steal": measured.steal,
                                            "machine_speed": measured.speeds,
                                            "placement_agreement": measured.placed,
+                                           "acceptance": {"asked": a.acceptance,
+                                                          "copy_prob": copy_prob,
+                                                          "simulated": acceptance(sim),
+                                                          "measured": measured.acceptance},
                                            "compare": rows, "compare_at_speed": rows_now},
                                           indent=1) + "\n")
     return 0
@@ -225,6 +253,7 @@ class _Measured:
     steal: list[float | None] = field(default_factory=list)
     placed: list[float] = field(default_factory=list)
     speeds: list[float] = field(default_factory=list)
+    acceptance: list[float | None] = field(default_factory=list)  # speculation's, each run
 
 
 def _measure_runs(a: argparse.Namespace, workload: Workload, models: Sequence[Model],
@@ -247,6 +276,7 @@ def _measure_runs(a: argparse.Namespace, workload: Workload, models: Sequence[Mo
         m.steal.append(None if steal0 is None or steal1 is None else (steal1 - steal0) / wall)
         m.contention.append(contention)
         m.placed.append(agreement(sim, result))
+        m.acceptance.append(acceptance(result))
         m.speeds.append(machine_speed(models[0], tok, cost))
         m.runs.append(flat(summarize(result, warmup=a.warmup, slo=None,
                                      num_blocks=config.num_blocks or 1, replicas=a.replicas)))
@@ -264,6 +294,18 @@ def _measure_runs(a: argparse.Namespace, workload: Workload, models: Sequence[Mo
     return m
 
 
+def _speculation_line(asked: float | None, copy_prob: float, sim: SimResult,
+                      measured: Sequence[float | None]) -> str:
+    """Speculation's acceptance, simulated and measured: what the plan's step counts rest on."""
+    def rate(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f}"
+
+    plan = ("the stub's own (no --acceptance)" if asked is None else
+            f"asked {asked:.3f}, the stub copying {copy_prob:.3f} of its tokens")
+    return (f"speculation: acceptance simulated {rate(acceptance(sim))} ({plan}); measured "
+            + " ".join(rate(x) for x in measured))
+
+
 def calibration_table(rows: list[dict[str, Any]], rows_now: list[dict[str, Any]],
                       speed: float, speeds: list[float]) -> str:
     """Predicted against measured for every compared metric, at the cost model's speed and
@@ -274,12 +316,15 @@ def calibration_table(rows: list[dict[str, Any]], rows_now: list[dict[str, Any]]
                f"'at x{speed:.3f}' predicts with the cost model scaled by it")
     out.append(f"{'metric':>24} {'predicted':>10} {'measured':>10} {'spread':>9} {'error':>8}"
                f"      {f'at x{speed:.3f}':>10} {'error':>8}")
+    def error(e: float | None) -> str:  # None: a measured 0 (ITL inside one update)
+        return f"{'-':>8}" if e is None else f"{e:>+8.1%}"
+
     for r, n in zip(rows, rows_now, strict=True):
         if r["measured"] is None:
             out.append(f"{r['metric']:>24} {'-':>10} {'-':>10}")
             continue
         out.append(f"{r['metric']:>24} {r['predicted']:>10.4g} {r['measured']:>10.4g} "
-                   f"{r['spread']:>9.3g} {r['error']:>+8.1%}{'' if r['within'] else ' OUT':4} "
-                   f" {n['predicted']:>10.4g} {n['error']:>+8.1%}"
+                   f"{r['spread']:>9.3g} {error(r['error'])}{'' if r['within'] else ' OUT':4} "
+                   f" {n['predicted']:>10.4g} {error(n['error'])}"
                    f"{'' if n['within'] else ' OUT'}")
     return "\n".join(out)

@@ -33,6 +33,7 @@ from nanoserve.server import parse
 from nanoserve.server.errors import ApiError
 from nanoserve.server.protocol import protocol
 from nanoserve.tokenizer import Tokenizer
+from nanoserve.workloads import copy_prompts
 from sim.load.public import PublicTrace, detect_format, read_public_trace, window
 from sim.load.spec import LoadSpec, SpecError, format_load_spec
 from sim.load.synthetic import arrival_times, draw_shapes
@@ -109,6 +110,17 @@ def spec_workload(spec: LoadSpec, tokenizer: Tokenizer | None = None,
         reqs.append(SimRequest(f"r{i + 1}", times[i], tuple(prompt), params, spec.stream,
                                frames.get(i)))
     return Workload(tuple(reqs), base_rate, format_load_spec(spec))
+
+
+def copy_workload(tokenizer: Tokenizer, output_tokens: int) -> Workload:
+    """Speculative decoding's copy workload (nanoserve/workloads.py: 36 prompts whose
+    answers copy from them, as `nanoserve bench --workload copy` runs them), every request
+    arriving at once, greedy, `output_tokens` each (EOS ignored, as the bench does)."""
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=output_tokens,
+                            detokenize=False)  # as spec_workload's: no client reads text
+    reqs = tuple(SimRequest(f"copy-{i}", 0.0, tuple(tokenizer.encode_prompt(text)), params)
+                 for i, text in enumerate(copy_prompts()))
+    return Workload(reqs, 1.0, f"copy workload (36 prompts, {output_tokens} tokens each)")
 
 
 def _chat_overhead(tokenizer: Tokenizer | None, system: bool) -> tuple[int, int]:

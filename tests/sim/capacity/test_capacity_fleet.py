@@ -53,8 +53,9 @@ class NoFastPath(StubModel):
         return None
 
 
-def test_pick_greedy_is_the_argmax_of_forward(tok: Tokenizer) -> None:
-    stub = StubModel(tok, eos_prob=0.2)
+@pytest.mark.parametrize("copy_prob", [0.0, 0.5])  # 0.5: a plan's copying stub too
+def test_pick_greedy_is_the_argmax_of_forward(tok: Tokenizer, copy_prob: float) -> None:
+    stub = StubModel(tok, eos_prob=0.2, copy_prob=copy_prob)
     rng = random.Random(1)
     for _ in range(80):
         # Up to 20 rows: from stub._VECTOR_ROWS rows the picks are hashed as arrays.

@@ -1,0 +1,109 @@
+"""Speculative decoding in a plan: the stub that copies at a rate (model/stub.py's copy_prob),
+the fit of that rate to an acceptance (sim/capacity/acceptance.py), and TPOT counted in
+tokens when a checked proposal delivers several in one update."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanoserve.config import EngineConfig, SpeculativeConfig
+from nanoserve.engine.engine import Engine
+from nanoserve.engine.request import Update
+from nanoserve.model.stub import StubModel, copied
+from nanoserve.sampling.params import SamplingParams
+from nanoserve.tokenizer import Tokenizer
+from sim.capacity.acceptance import TOLERANCE, acceptance, copy_prob_for
+from sim.capacity.cost import CostModel
+from sim.capacity.fleet import Record, simulate
+from sim.capacity.metrics import latencies
+from sim.load.workload import SimRequest, Workload, copy_workload
+
+COST = CostModel((0.01, 1e-4, 5e-4, 2e-3, 2e-6, 1e-8, 0.0, 0.0, 0.0, 0.0), name="synthetic")
+NGRAM = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4}')
+CONFIG = EngineConfig(num_blocks=256, max_num_seqs=1, speculative=NGRAM)
+
+
+def test_copying_says_what_followed_the_longest_ending_seen_before() -> None:
+    # The ending (9, 2, 3) occurred at the start, followed by 7; the shorter (2, 3) last
+    # occurred before 8, which the longest ending overrules.
+    assert copied([9, 2, 3, 7, 1, 2, 3, 8, 9, 2, 3], 11) == 7
+    assert copied([1, 2, 3, 8, 5, 2, 3], 7) == 8  # only (2, 3) occurred: its last follower
+    assert copied([4, 5, 6, 4, 5, 6, 4], 7) == 5  # (5, 6, 4) last occurred before 5
+    assert copied([4, 5, 6, 99], 4) == 4  # never seen: copying starts again at the top
+    assert copied([4, 5, 6, 4, 5, 0, 0], 5) == 6  # only hist[:upto] is read
+
+
+def _one(tok: Tokenizer, prompt: list[int], n: int) -> SimRequest:
+    return SimRequest("r", 0.0, tuple(prompt),
+                      SamplingParams(temperature=0, ignore_eos=True, max_tokens=n))
+
+
+def test_a_stub_that_always_copies_has_every_proposed_token_kept(tok: Tokenizer) -> None:
+    prompt = list(range(2000, 2040))
+    model = StubModel(tok, copy_prob=1.0)
+    result = simulate([_one(tok, prompt, 32)], lambda: Engine(model, tok, CONFIG), COST)
+    (rec,) = result.records
+    spec = result.stats[0].spec
+    assert spec is not None
+    # Its first token starts the prompt again (its last token occurred nowhere before),
+    # the second has no 2-gram to look up, and from the third every proposal is the
+    # prompt's next tokens, all kept, growing as the policy's estimate does (1, 2, 3, then
+    # num_speculative_tokens) until max_tokens leaves no room: 32 tokens in 10 steps.
+    assert rec.output_tokens == 32
+    assert (spec.drafts, spec.draft_tokens, spec.accepted_tokens) == (7, 22, 22)
+    assert spec.accepted_per_position == (7, 6, 5, 4)
+    assert result.stats[0].steps == 10
+    per_step = [rec.token_times.count(t) for t in sorted(set(rec.token_times))]
+    assert per_step == [1, 1, 2, 3, 4, 5, 5, 5, 5, 1]
+    assert acceptance(result) == 1.0
+    # and at copy_prob 0, the same stub's tokens are its bigram table's: none of the prompt
+    plain = simulate([_one(tok, prompt, 32)],
+                     lambda: Engine(StubModel(tok), tok, CONFIG), COST)
+    assert plain.stats[0].steps > 20
+
+
+def test_the_fit_finds_the_copy_rate_that_gives_an_acceptance(tok: Tokenizer) -> None:
+    work = copy_workload(tok, 48)
+    assert len(work.requests) == 36
+    seen: list[tuple[float, float]] = []
+    p, got = copy_prob_for(0.8, work, COST, tok, CONFIG, lambda p, a: seen.append((p, a)))
+    assert abs(got - 0.8) <= TOLERANCE
+    assert 0.0 < p < 1.0
+    assert seen[:2] == [(0.0, seen[0][1]), (1.0, seen[1][1])]  # the ends first
+    # the rate it names gives that acceptance when the plan runs it
+    model = StubModel(tok, copy_prob=p)
+    again = simulate(work.head(64).requests, lambda: Engine(model, tok, CONFIG), COST)
+    assert acceptance(again) == pytest.approx(got)
+
+
+def test_the_fit_names_acceptance_when_it_cannot_be_met(tok: Tokenizer) -> None:
+    work = copy_workload(tok, 16)
+    with pytest.raises(ValueError, match="--acceptance needs speculation"):
+        copy_prob_for(0.5, work, COST, tok, EngineConfig(num_blocks=256))
+    with pytest.raises(ValueError, match=r"--acceptance 0.01: the stub reaches"):
+        copy_prob_for(0.01, work, COST, tok, CONFIG)
+
+
+def test_tpot_counts_the_tokens_an_update_brings(tok: Tokenizer) -> None:
+    rec = Record("r", 0.0, 8)
+
+    def update(tokens: tuple[int, ...], finished: bool = False) -> Update:
+        return Update("r", tokens, "x", finished=finished,
+                      finish_reason="length" if finished else None)
+
+    rec.observe(update((1,)), 1.0)
+    rec.observe(update((2, 3, 4, 5)), 2.0)  # a proposal of three, all kept
+    rec.observe(update((6,), True), 2.5)
+    assert rec.output_tokens == 6
+    lat = latencies([rec])
+    assert lat["tpot"] == [pytest.approx((2.5 - 1.0) / 5)]  # not / 2 updates
+    assert lat["itl"] == [1.0, 0.0, 0.0, 0.0, 0.5]
+
+
+def test_a_workload_of_the_stub_without_copy_is_unchanged(tok: Tokenizer) -> None:
+    # copy_prob 0 draws no coin: the same tokens as a stub made without it
+    work = Workload((_one(tok, list(range(3000, 3020)), 24),), 1.0, "one")
+    a = simulate(work.requests, lambda: Engine(StubModel(tok), tok, CONFIG), COST)
+    b = simulate(work.requests, lambda: Engine(StubModel(tok, copy_prob=0.0), tok, CONFIG),
+                 COST)
+    assert a.records[0].token_times == b.records[0].token_times
