@@ -26,6 +26,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -221,7 +222,7 @@ def run_validate(a: argparse.Namespace) -> int:
                          for k, d in _REPORT_DEFAULTS.items() if getattr(a, k) != d)
         given += " --ignore-prefixes" if a.ignore_prefixes else ""
         given += f" --replicas {a.replicas} --router {a.router}" if a.replicas > 1 else ""
-        given += "".join(f" --engine {e}" for e in a.engine)
+        given += "".join(f" --engine {shlex.quote(e)}" for e in a.engine)
         atomic_write_text(a.report, f"sim validate {given} --cost {a.cost} --model {a.model} "
                           f"--runs {a.runs}\nengine: {config}\n"
                           f"machine: {json.dumps(machine_info())}\n{text}\n{runs}\n")
