@@ -20,7 +20,7 @@ completions that share a history, the n siblings of one request, almost never pa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -143,6 +143,50 @@ class Scripts:
         return [self.next_token(histories[r], upto) for r, upto in rows]
 
 
+class Recorded:
+    """What the stub says after given prompts: each one's recorded output tokens (a trace's,
+    or a measured run's), so that speculation's proposals are kept or refused token for
+    token as on the model that said them; past a recording's end, and after any other
+    prompt, the stub's own tokens. A history is matched to its prompt once (by the list
+    object, as Scripts does; a proposal's rows bring a new list each step)."""
+
+    def __init__(self, outputs: Mapping[tuple[int, ...], Sequence[int]]) -> None:
+        self._outputs = {p: tuple(o) for p, o in outputs.items() if p}
+        # Prompts by their length and first token, each length's longest first: a row's
+        # history is tried against each length it can hold.
+        self._keys: dict[int, set[int]] = {}
+        for p in self._outputs:
+            self._keys.setdefault(len(p), set()).add(p[0])
+        self._lengths = sorted(self._keys, reverse=True)
+        self._seen: dict[int, tuple[Sequence[int], tuple[int, tuple[int, ...]] | None]] = {}
+
+    def _match(self, hist: Sequence[int]) -> tuple[int, tuple[int, ...]] | None:
+        """(the prompt's length, its recorded output) for the prompt `hist` begins with."""
+        got = self._seen.get(id(hist))
+        if got is not None and got[0] is hist:
+            return got[1]
+        found = None
+        for n in self._lengths:
+            if n <= len(hist) and hist[0] in self._keys[n]:
+                out = self._outputs.get(tuple(hist[:n]))
+                if out is not None:
+                    found = (n, out)
+                    break
+        self._seen[id(hist)] = (hist, found)
+        if len(self._seen) > _SCRIPTS_KEPT:
+            del self._seen[next(iter(self._seen))]
+        return found
+
+    def next_token(self, hist: Sequence[int], upto: int) -> int | None:
+        """The recorded token after hist[:upto], or None (no recording, or past its end)."""
+        found = self._match(hist)
+        if found is None:
+            return None
+        n, out = found
+        i = upto - n
+        return out[i] if 0 <= i < len(out) else None
+
+
 class StubModel:
     def __init__(
         self,
@@ -150,9 +194,12 @@ class StubModel:
         *,
         eos_prob: float = 0.0,
         copy_prob: float = 0.0,
+        outputs: Mapping[tuple[int, ...], Sequence[int]] | None = None,
         max_position_embeddings: int = STUB_CONTEXT,
         device: str = "cpu",
     ) -> None:
+        """`outputs`: recorded output tokens by prompt (Recorded), said before anything
+        but a prompt's script."""
         if not 0.0 <= eos_prob <= 1.0:
             raise ValueError(f"stub eos_prob must be in [0, 1], got {eos_prob}")
         if not 0.0 <= copy_prob <= 1.0:
@@ -194,6 +241,7 @@ class StubModel:
         self._pool_len = np.uint64(len(self._pool_array))
         self._values = torch.tensor([10.0, 9.25, 8.75, 8.25, 7.75, 7.25])[:_NUM_CANDIDATES]
         self._scripts = Scripts(tokenizer, self._eos)
+        self._recorded = Recorded(outputs) if outputs else None
 
     # The stub keeps no KV: these exist so it satisfies the Model protocol.
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
@@ -272,6 +320,10 @@ class StubModel:
         millions of such rows, and the logits tensor and its argmax were most of a step."""
         rows = self._logits_rows(batch)
         said = self._scripts.said(batch.histories, rows)
+        if self._recorded is not None:
+            rec = self._recorded
+            said = [rec.next_token(batch.histories[r], upto) if said is None or said[k] is None
+                    else said[k] for k, (r, upto) in enumerate(rows)]
         if said is None:
             if len(rows) >= _VECTOR_ROWS and all(upto >= _TAIL for _, upto in rows):
                 return self._top_array(batch, rows)
@@ -343,6 +395,8 @@ class StubModel:
             hist = batch.histories[row]
             cands = self._candidates(hist, upto, batch.seeds[row])
             token = self._scripts.next_token(hist, upto)
+            if token is None and self._recorded is not None:
+                token = self._recorded.next_token(hist, upto)
             if token is not None:  # first, the rest keep their order
                 cands = [token, *[t for t in cands if t != token]][:_NUM_CANDIDATES]
             picks.append(cands)

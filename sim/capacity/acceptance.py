@@ -12,12 +12,20 @@ So a plan takes the acceptance rate, vLLM's (tokens kept over tokens proposed, a
 bench --speculative-config` prints it and /metrics exports it as spec_decode_num_accepted
 over spec_decode_num_draft_tokens), measured where the real text runs, and `copy_prob_for`
 finds by bisection the copy probability that gives that rate on the plan's own workload.
-The fit is of the one number; how kept tokens bunch (a real copy runs long, then breaks
-for the edit) is the stub's, each token's coin apart.
+The fit is of the one number: every request copies alike, where a real workload has
+requests that copy whole and requests that copy little, so the plan's throughput follows
+the rate and its per-request latencies less so (docs/capacity.md has the figures).
+
+Where the text itself is at hand, a plan needs no rate: `--acceptance recorded` makes the
+stub say each request's recorded tokens (a trace's token_ids; model/stub.py's Recorded), and
+`sim validate --acceptance measured` what the same request said in its first measured run.
+Each proposal is then kept or refused as it was on the model, request by request.
 """
 
 from __future__ import annotations
 
+import argparse
+import math
 from collections.abc import Callable
 
 from nanoserve.config import EngineConfig
@@ -34,6 +42,23 @@ MAX_ROUNDS = 16
 # Requests of the workload the fit simulates: enough for the rate to settle, few enough
 # that the fit costs a second or two.
 FIT_REQUESTS = 64
+
+
+RECORDED, MEASURED = "recorded", "measured"
+
+
+def acceptance_arg(text: str) -> float | str:
+    """--acceptance: a rate in [0, 1), or `recorded` or `measured`."""
+    if text in (RECORDED, MEASURED):
+        return text
+    try:
+        rate = float(text)
+    except ValueError:
+        rate = math.nan
+    if not 0.0 <= rate < 1.0:
+        raise argparse.ArgumentTypeError(f"must be a rate in [0, 1), {RECORDED} or "
+                                         f"{MEASURED}, got {text!r}")
+    return rate
 
 
 def acceptance(result: SimResult) -> float | None:

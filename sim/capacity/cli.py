@@ -29,7 +29,7 @@ from typing import Any
 from nanoserve import flags
 from nanoserve.progress import LabelledProgress
 from nanoserve.tokenizer import Tokenizer
-from sim.capacity.acceptance import copy_prob_for
+from sim.capacity.acceptance import MEASURED, RECORDED, acceptance_arg, copy_prob_for
 from sim.capacity.cost import load_cost_model
 from sim.capacity.fleet import ROUTERS
 from sim.capacity.metrics import parse_slo
@@ -75,11 +75,12 @@ def add_parser(sub: Any) -> None:
                    help="the server's --max-queue: a request beyond N waiting gets 429")
     p.add_argument("--engine", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                    help=f"engine settings ({', '.join(ENGINE_KEYS)})")
-    p.add_argument("--acceptance", type=flags.fraction, metavar="RATE",
+    p.add_argument("--acceptance", type=acceptance_arg, metavar="RATE|recorded",
                    help="with --engine speculative_config=...: the fraction of proposed "
                    "tokens kept, as `nanoserve bench --speculative-config` or /metrics "
-                   "measured it; the stub copies at the rate that gives it "
-                   "(sim/capacity/acceptance.py) [the stub's own: it copies nothing]")
+                   "measured it (the stub copies at the rate that gives it); or recorded: "
+                   "the stub says each request's tokens as the trace recorded them "
+                   "(sim/capacity/acceptance.py) [the stub's own tokens]")
     p.add_argument("--search-start", type=flags.positive_float, metavar="RATE",
                    help="first rate the SLO search tries [the highest swept rate meeting it]")
     p.add_argument("--out", default="capacity", metavar="PREFIX",
@@ -142,7 +143,16 @@ def run_capacity(a: argparse.Namespace) -> int:
     else:
         seeds = [0]
         workloads = [file_workload(a.trace, tok, **trace_options(a))]
-    if a.acceptance is not None:
+    if a.acceptance == RECORDED:
+        if engine.speculative is None:
+            raise ValueError("--acceptance needs speculation: --engine speculative_config=...")
+        if not workloads[0].recorded_outputs():
+            raise ValueError("--acceptance recorded: the trace records no request's tokens "
+                             "(token_ids on its expectation lines)")
+        plan = dataclasses.replace(plan, recorded=True)
+    elif a.acceptance == MEASURED:
+        raise ValueError("--acceptance measured is sim validate's (its measured runs)")
+    elif a.acceptance is not None:
         p, got = copy_prob_for(a.acceptance, workloads[0], cost, tok, engine)
         plan = dataclasses.replace(plan, acceptance=a.acceptance, copy_prob=p,
                                    fit_acceptance=got)

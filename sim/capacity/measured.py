@@ -35,9 +35,11 @@ from sim.load.workload import SimRequest, Workload
 
 async def drive_fleet(requests: Sequence[SimRequest], bridges: Sequence[AsyncEngine],
                       router: Router, max_queue: int | None = None,
-                      on_done: Callable[[], object] | None = None) -> list[Record]:
+                      on_done: Callable[[], object] | None = None,
+                      outputs: dict[str, list[int]] | None = None) -> list[Record]:
     """Every request as a client of the fleet `bridges`, placed by `router`, from now;
-    records in trio's clock, from now. `on_done` is called as each client ends."""
+    records in trio's clock, from now. `on_done` is called as each client ends; `outputs`,
+    where given, gets each request's tokens by its id."""
     t0 = trio.current_time()
     records = [Record(r.id, r.at_s, len(r.prompt_ids)) for r in requests]
 
@@ -54,7 +56,8 @@ async def drive_fleet(requests: Sequence[SimRequest], bridges: Sequence[AsyncEng
             if stream is None:
                 done()
             else:
-                nursery.start_soon(_read, stream, req, rec, t0, done)
+                said = None if outputs is None else outputs.setdefault(req.id, [])
+                nursery.start_soon(_read, stream, req, rec, t0, done, said)
     return records
 
 
@@ -86,12 +89,14 @@ def _submit(bridge: AsyncEngine, req: SimRequest, rec: Record, max_queue: int | 
 
 
 async def _read(stream: RequestStream, req: SimRequest, rec: Record, t0: float,
-                done: Callable[[], None]) -> None:
+                done: Callable[[], None], said: list[int] | None) -> None:
     try:
         async with stream:
             async for u in stream:
                 now = trio.current_time() - t0
                 rec.observe(u, now)
+                if said is not None:
+                    said.extend(u.new_token_ids)
                 if u.finished:
                     return
                 if req.stream and req.hangup_after_frames is not None \
@@ -122,12 +127,14 @@ class TimedLiveClock(LiveClock):
 
 
 def measure(workload: Workload, engines: Sequence[Engine], router: Router,
-            progress: str | None = None) -> tuple[SimResult, float]:
+            progress: str | None = None,
+            outputs: dict[str, list[int]] | None = None) -> tuple[SimResult, float]:
     """One wall-clock run of the workload on a fleet of `engines` (real weights, one model
     object each) via the live clock, and the steps' contention: their wall time over their
     threads' CPU time, all replicas together (1 on idle cores with one torch thread; more
     when other processes, or the replicas' own Python under the GIL, share the cores).
-    `progress`: a bar with that label over the requests, on a terminal."""
+    `progress`: a bar with that label over the requests, on a terminal; `outputs`, where
+    given, gets each request's tokens by its id."""
     clocks = [TimedLiveClock() for _ in engines]
 
     async def main() -> list[Record]:
@@ -140,7 +147,7 @@ def measure(workload: Workload, engines: Sequence[Engine], router: Router,
                     warm = b.prepare([1000] * 8, SamplingParams(temperature=0, max_tokens=2))
                     nursery.start_soon(b.generate, warm)
             return await drive_fleet(workload.requests, bridges, router,
-                                     on_done=lambda: shown.update(1))
+                                     on_done=lambda: shown.update(1), outputs=outputs)
 
     shown = bar(len(workload.requests), progress or "", enabled=progress is not None,
                 unit="request")

@@ -68,17 +68,19 @@ class SeedTask:
 def run_task(task: SeedTask) -> Outcome:
     """A worker's whole job: the seed's summary, and its result without the records (the
     per-request lists are most of its size and nothing after the summary reads them)."""
-    tok, model = _model(task.tokenizer, task.config, task.plan.copy_prob)
+    outputs = task.workload.recorded_outputs() if task.plan.recorded else None
+    tok, model = _model(task.tokenizer, task.config, task.plan.copy_prob, outputs)
     summary, result = run_seed(task.workload, task.rate, task.num_blocks, task.config,
                                task.cost, task.plan, model, tok)
     return summary, dataclasses.replace(result, records=()) if task.timeline else None
 
 
-def _model(source: str | Tokenizer, config: EngineConfig,
-           copy_prob: float) -> tuple[Tokenizer, StubModel]:
-    if isinstance(source, Tokenizer):
-        return source, stub_model(source, config, copy_prob)
-    tok = _named_tokenizer(source)
+def _model(source: str | Tokenizer, config: EngineConfig, copy_prob: float,
+           outputs: dict[tuple[int, ...], tuple[int, ...]] | None
+           ) -> tuple[Tokenizer, StubModel]:
+    tok = source if isinstance(source, Tokenizer) else _named_tokenizer(source)
+    if isinstance(source, Tokenizer) or outputs:  # a recording's stub is its own
+        return tok, stub_model(tok, config, copy_prob, outputs)
     return tok, _stub(tok, config.max_model_len, copy_prob)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +49,8 @@ class Plan:
     acceptance: float | None = None
     copy_prob: float = 0.0
     fit_acceptance: float | None = None
+    # --acceptance recorded: the stub says each request's recorded tokens (a trace's).
+    recorded: bool = False
 
 
 def default_num_blocks(cost: CostModel, engine: EngineConfig) -> int:
@@ -60,13 +62,13 @@ def default_num_blocks(cost: CostModel, engine: EngineConfig) -> int:
     return engine.kv_cache_memory // per_block if per_block else engine.stub_num_blocks
 
 
-def stub_model(tokenizer: Tokenizer, engine: EngineConfig,
-               copy_prob: float = 0.0) -> StubModel:
+def stub_model(tokenizer: Tokenizer, engine: EngineConfig, copy_prob: float = 0.0,
+               outputs: Mapping[tuple[int, ...], Sequence[int]] | None = None) -> StubModel:
     """The stub the simulated engines share (it is stateless), with context enough for
     the plan's max_model_len: planning a long-context model on a long trace (Mooncake's
     prompts reach 120k tokens) needs `--engine max_model_len=131072`, and the engine
     refuses a max_model_len past its model's context."""
-    return StubModel(tokenizer, copy_prob=copy_prob,
+    return StubModel(tokenizer, copy_prob=copy_prob, outputs=outputs,
                      max_position_embeddings=max(STUB_CONTEXT, engine.max_model_len or 0))
 
 
@@ -116,7 +118,8 @@ class Planner:
         self.workloads = list(workloads)
         self.cost = cost
         self.plan = plan
-        self.model = stub_model(tokenizer, plan.engine, plan.copy_prob)
+        self.model = stub_model(tokenizer, plan.engine, plan.copy_prob,
+                                self.workloads[0].recorded_outputs() if plan.recorded else None)
         self.tokenizer = tokenizer
         self.progress = progress
         self._cache: dict[tuple[float | None, int, int], tuple[list[dict[str, Any]],

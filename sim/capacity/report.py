@@ -33,7 +33,7 @@ def build_report(*, cost: CostModel, plan: Plan, source: str, seeds: Sequence[in
             "config": {k: v for k, v in dataclasses.asdict(e.speculative).items()
                        if v is not None},
             "acceptance": plan.acceptance, "fit_acceptance": plan.fit_acceptance,
-            "stub_copy_prob": plan.copy_prob}
+            "stub_copy_prob": plan.copy_prob, "recorded_outputs": plan.recorded}
     return {
         "nanoserve_capacity": CAPACITY_FORMAT,
         "cost_model": {"name": cost.name, "model": cost.model, "machine": cost.machine,

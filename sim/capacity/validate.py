@@ -30,7 +30,7 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +41,13 @@ from nanoserve.model.base import Model
 from nanoserve.model.quant import CHOICES
 from nanoserve.model.stub import StubModel
 from nanoserve.tokenizer import Tokenizer
-from sim.capacity.acceptance import acceptance, copy_prob_for
+from sim.capacity.acceptance import (
+    MEASURED,
+    RECORDED,
+    acceptance,
+    acceptance_arg,
+    copy_prob_for,
+)
 from sim.capacity.calibrate import geometric_mean, machine_speed, scaled, steal_seconds
 from sim.capacity.cost import CostModel, load_cost_model
 from sim.capacity.fleet import SimResult, simulate
@@ -94,10 +100,12 @@ def add_parser(sub: Any) -> None:
                    "them (nanoserve/workloads.py), all at once, --copy-tokens each")
     p.add_argument("--copy-tokens", type=flags.positive_int, default=64, metavar="N",
                    help="output tokens of each --workload copy request [64]")
-    p.add_argument("--acceptance", type=flags.fraction, metavar="RATE",
+    p.add_argument("--acceptance", type=acceptance_arg, metavar="RATE|recorded|measured",
                    help="with --engine speculative_config=...: the plan's acceptance rate "
                    "(tokens kept over proposed, as measured by `nanoserve bench "
-                   "--speculative-config`); the stub copies at the rate that gives it "
+                   "--speculative-config`), the stub copying at the rate that gives it; "
+                   "recorded: the stub says each request's tokens as the trace recorded "
+                   "them; measured: as the first measured run said them "
                    "(sim/capacity/acceptance.py). The measured runs' own is shown beside")
     p.add_argument("--cost", required=True, type=flags.input_file, metavar="COST.json")
     p.add_argument("--threads", type=flags.positive_int, metavar="N",
@@ -132,20 +140,22 @@ def _checked(a: argparse.Namespace) -> int:
 
 
 def simulated(workload: Workload, cost: CostModel, tokenizer: Any, config: EngineConfig,
-              replicas: int = 1, router: str = "round_robin",
-              copy_prob: float = 0.0) -> SimResult:
+              replicas: int = 1, router: str = "round_robin", copy_prob: float = 0.0,
+              outputs: Mapping[tuple[int, ...], Sequence[int]] | None = None) -> SimResult:
     """The simulator's run of `workload`: stub engines (the stub keeps no KV, so the
-    replicas share one; it copies `copy_prob` of its tokens), the cost model's step
-    durations."""
-    model = StubModel(tokenizer, copy_prob=copy_prob)
+    replicas share one; it copies `copy_prob` of its tokens, and says `outputs` after their
+    prompts), the cost model's step durations."""
+    model = StubModel(tokenizer, copy_prob=copy_prob, outputs=outputs)
     return simulate(workload.requests, lambda: Engine(model, tokenizer, config), cost,
                     replicas=replicas, router=router)
 
 
 def predict(workload: Workload, cost: CostModel, tokenizer: Any, config: EngineConfig,
             warmup: float, replicas: int = 1, router: str = "round_robin",
-            copy_prob: float = 0.0) -> dict[str, Any]:
-    result = simulated(workload, cost, tokenizer, config, replicas, router, copy_prob)
+            copy_prob: float = 0.0,
+            outputs: Mapping[tuple[int, ...], Sequence[int]] | None = None) -> dict[str, Any]:
+    result = simulated(workload, cost, tokenizer, config, replicas, router, copy_prob,
+                       outputs)
     return summarize(result, warmup=warmup, slo=None, num_blocks=config.num_blocks or 1,
                      replicas=replicas)
 
@@ -183,18 +193,24 @@ def run_validate(a: argparse.Namespace) -> int:
     workload = (spec_workload(parse_load_spec(a.load), tok, tok.vocab_size) if a.load else
                 copy_workload(tok, a.copy_tokens) if a.workload else
                 file_workload(a.trace, tok, **trace_options(a)))
-    copy_prob, fit = 0.0, None
-    if a.acceptance is not None:
-        copy_prob, fit = copy_prob_for(a.acceptance, workload, cost, tok, config)
-    sim = simulated(workload, cost, tok, config, a.replicas, a.router, copy_prob)
+    copy_prob, outputs = _speculation_inputs(a.acceptance, workload, cost, tok, config)
+    # Under --acceptance measured the stub says what the first measured run said, so the
+    # simulation comes after the runs (and the placements are held against it then).
+    sim = None if a.acceptance == MEASURED else simulated(
+        workload, cost, tok, config, a.replicas, a.router, copy_prob, outputs)
+    measured = _measure_runs(a, workload, models, tok, cost, config, sim)
+    if sim is None:
+        said = measured.outputs
+        outputs = {r.prompt_ids: tuple(said[r.id]) for r in workload.requests if r.id in said}
+        sim = simulated(workload, cost, tok, config, a.replicas, a.router, copy_prob, outputs)
+        measured.placed = [agreement(sim, r) for r in measured.results]
     predicted = flat(summarize(sim, warmup=a.warmup, slo=None,
                                num_blocks=config.num_blocks or 1, replicas=a.replicas))
-    measured = _measure_runs(a, workload, models, tok, cost, config, sim)
     speed = geometric_mean(measured.speeds)
     now = scaled(cost, speed)
     rows = compare(predicted, measured.runs)
     rows_now = compare(flat(predict(workload, now, tok, config, a.warmup, a.replicas,
-                                    a.router, copy_prob)), measured.runs)
+                                    a.router, copy_prob, outputs)), measured.runs)
     known = [s for s in measured.steal if s is not None]
     fleet = f"{a.replicas} replicas, router {a.router}; " if a.replicas > 1 else ""
     head = (f"load {workload.source} on {a.model}; {fleet}cost model {cost.name}; {a.runs} runs; "
@@ -255,14 +271,16 @@ class _Measured:
     placed: list[float] = field(default_factory=list)
     speeds: list[float] = field(default_factory=list)
     acceptance: list[float | None] = field(default_factory=list)  # speculation's, each run
+    results: list[SimResult] = field(default_factory=list)
+    outputs: dict[str, list[int]] = field(default_factory=dict)  # the first run's tokens
 
 
 def _measure_runs(a: argparse.Namespace, workload: Workload, models: Sequence[Model],
                   tok: Tokenizer, cost: CostModel, config: EngineConfig,
-                  sim: SimResult) -> _Measured:
+                  sim: SimResult | None) -> _Measured:
     """`a.runs` wall-clock runs of `workload` on fresh engines over `models`, each told on
     stderr as it ends (and flagged if the host was busy); `sim` is the simulated run whose
-    placements each run is held against."""
+    placements each run is held against (None: not yet run; the caller holds them)."""
     m = _Measured()
     # The machine's speed against the cost model's before each run and after the last
     # (sim/capacity/calibrate.py): what tells the host's drift apart from the model's error.
@@ -272,11 +290,14 @@ def _measure_runs(a: argparse.Namespace, workload: Workload, models: Sequence[Mo
         label = None if a.quiet else f"sim validate: run {k + 1}/{a.runs}"
         engines = [Engine(model, tok, config) for model in models]
         router = Router(a.router, a.replicas, config.block_size)
-        result, contention = measure(workload, engines, router, label)
+        result, contention = measure(workload, engines, router, label,
+                                     m.outputs if k == 0 else None)
         steal1, wall = steal_seconds(), time.perf_counter() - t0
         m.steal.append(None if steal0 is None or steal1 is None else (steal1 - steal0) / wall)
         m.contention.append(contention)
-        m.placed.append(agreement(sim, result))
+        if sim is not None:
+            m.placed.append(agreement(sim, result))
+        m.results.append(result)
         m.acceptance.append(acceptance(result))
         m.speeds.append(machine_speed(models[0], tok, cost))
         m.runs.append(flat(summarize(result, warmup=a.warmup, slo=None,
@@ -285,7 +306,8 @@ def _measure_runs(a: argparse.Namespace, workload: Workload, models: Sequence[Mo
               f"ttft p50 {m.runs[-1]['ttft_p50']}, tpot p50 {m.runs[-1]['tpot_p50']}, "
               f"steps took {contention:.2f}x their CPU time, machine speed "
               f"x{m.speeds[-2]:.3f} before, x{m.speeds[-1]:.3f} after"
-              + (f", {m.placed[-1]:.0%} placed as simulated" if a.replicas > 1 else ""),
+              + (f", {m.placed[-1]:.0%} placed as simulated"
+                 if a.replicas > 1 and sim is not None else ""),
               file=sys.stderr, flush=True)
         if contention > DISTURBED_WAIT or (m.steal[-1] or 0.0) > DISTURBED_STEAL:
             print(f"run {k + 1}: disturbed: the steps waited {contention - 1:.0%} beyond their "
@@ -295,13 +317,33 @@ def _measure_runs(a: argparse.Namespace, workload: Workload, models: Sequence[Mo
     return m
 
 
-def _speculation_line(asked: float | None, copy_prob: float, sim: SimResult,
+def _speculation_inputs(asked: float | str | None, workload: Workload, cost: CostModel,
+                        tok: Tokenizer, config: EngineConfig
+                        ) -> tuple[float, dict[tuple[int, ...], tuple[int, ...]] | None]:
+    """The stub's copy probability and recorded outputs for --acceptance (acceptance.py);
+    under `measured` the outputs come from the first measured run, later."""
+    if asked is not None and config.speculative is None:
+        raise ValueError("--acceptance needs speculation: --engine speculative_config=...")
+    if asked == RECORDED:
+        outputs = workload.recorded_outputs()
+        if not outputs:
+            raise ValueError("--acceptance recorded: the workload records no request's "
+                             "tokens (a trace with token_ids on its expectation lines)")
+        return 0.0, outputs
+    if isinstance(asked, float):
+        return copy_prob_for(asked, workload, cost, tok, config)[0], None
+    return 0.0, None
+
+
+def _speculation_line(asked: float | str | None, copy_prob: float, sim: SimResult,
                       measured: Sequence[float | None]) -> str:
     """Speculation's acceptance, simulated and measured: what the plan's step counts rest on."""
     def rate(x: float | None) -> str:
         return "-" if x is None else f"{x:.3f}"
 
     plan = ("the stub's own (no --acceptance)" if asked is None else
+            "the stub saying what the first measured run said" if asked == MEASURED else
+            "the stub saying the recorded tokens" if asked == RECORDED else
             f"asked {asked:.3f}, the stub copying {copy_prob:.3f} of its tokens")
     return (f"speculation: acceptance simulated {rate(acceptance(sim))} ({plan}); measured "
             + " ".join(rate(x) for x in measured))

@@ -51,6 +51,9 @@ class SimRequest:
     params: SamplingParams
     stream: bool = False
     hangup_after_frames: int | None = None  # the client closes after this many SSE frames
+    # The tokens it said where it was recorded (a trace's token_ids): a plan's stub says
+    # them (--acceptance recorded), so speculation keeps what it kept there.
+    output_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +74,14 @@ class Workload:
 
     def head(self, n: int) -> Workload:
         return dataclasses.replace(self, requests=self.requests[:n])
+
+    def recorded_outputs(self) -> dict[tuple[int, ...], tuple[int, ...]]:
+        """Each recorded output by its prompt (the first, where two share a prompt)."""
+        out: dict[tuple[int, ...], tuple[int, ...]] = {}
+        for r in self.requests:
+            if r.output_ids is not None:
+                out.setdefault(r.prompt_ids, r.output_ids)
+        return out
 
 
 def spec_workload(spec: LoadSpec, tokenizer: Tokenizer | None = None,
@@ -148,6 +159,7 @@ def trace_workload(path: str | Path, tokenizer: Tokenizer) -> Workload:
     reqs: list[SimRequest] = []
     invalid = 0
     api = protocol(trace.header.model)
+    said = {e.id: e.fields.get("token_ids") for e in trace.expectations}
     for r in trace.requests:
         try:
             if r.path == "/v1/chat/completions":
@@ -160,8 +172,11 @@ def trace_workload(path: str | Path, tokenizer: Tokenizer) -> Workload:
         for k, prompt in enumerate(g.prompts):
             ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             rid = r.id if len(g.prompts) == 1 else f"{r.id}/{k}"
+            ids_out = said.get(r.id) if len(g.prompts) == 1 else None
+            output = (tuple(ids_out) if isinstance(ids_out, list)
+                      and all(isinstance(t, int) for t in ids_out) else None)
             reqs.append(SimRequest(rid, r.at_s or 0.0, tuple(ids), g.params, g.stream,
-                                   r.client.hangup_after_frames))
+                                   r.client.hangup_after_frames, output))
     times = [q.at_s for q in reqs]
     span = times[-1] - times[0] if times else 0.0
     base_rate = (len(times) - 1) / span if span > 0 else 1.0

@@ -4,19 +4,35 @@ tokens when a checked proposal delivers several in one update."""
 
 from __future__ import annotations
 
-import pytest
+import json
+from pathlib import Path
 
+import pytest
+import trio
+import trio.testing
+
+from nanoserve.bridge import AsyncEngine
+from nanoserve.bridge.clock import VirtualClock
 from nanoserve.config import EngineConfig, SpeculativeConfig
 from nanoserve.engine.engine import Engine
 from nanoserve.engine.request import Update
+from nanoserve.llm import LLM
+from nanoserve.model.base import ForwardBatch
 from nanoserve.model.stub import StubModel, copied
 from nanoserve.sampling.params import SamplingParams
 from nanoserve.tokenizer import Tokenizer
 from sim.capacity.acceptance import TOLERANCE, acceptance, copy_prob_for
 from sim.capacity.cost import CostModel
 from sim.capacity.fleet import Record, simulate
+from sim.capacity.measured import drive_fleet
 from sim.capacity.metrics import latencies
-from sim.load.workload import SimRequest, Workload, copy_workload
+from sim.capacity.routers import Router
+from sim.capacity.validate import simulated
+from sim.cli import main
+from sim.load.workload import SimRequest, Workload, copy_workload, trace_workload
+from sim.trace.loader import load_trace
+
+ROOT = Path(__file__).resolve().parents[3]
 
 COST = CostModel((0.01, 1e-4, 5e-4, 2e-3, 2e-6, 1e-8, 0.0, 0.0, 0.0, 0.0), name="synthetic")
 NGRAM = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4}')
@@ -107,3 +123,83 @@ def test_a_workload_of_the_stub_without_copy_is_unchanged(tok: Tokenizer) -> Non
     b = simulate(work.requests, lambda: Engine(StubModel(tok, copy_prob=0.0), tok, CONFIG),
                  COST)
     assert a.records[0].token_times == b.records[0].token_times
+
+
+def test_a_stub_with_recorded_outputs_says_them_and_keeps_what_they_keep(
+        tok: Tokenizer) -> None:
+    # Two prompts: a recording that repeats its prompt (every proposal kept), and one of
+    # tokens found nowhere in it (no proposal at all), then the stub's own tokens past its end.
+    a, b = tuple(range(2000, 2030)), tuple(range(2100, 2140))
+    said = {a: list(range(2000, 2024)), b: list(range(4000, 4012))}
+    model = StubModel(tok, outputs=said)
+    llm = LLM.from_parts(model, tok, CONFIG)
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=24)
+    out = llm.generate([list(a), list(b)], params, use_tqdm=False)
+    assert list(out[0].outputs[0].token_ids) == said[a]
+    assert list(out[1].outputs[0].token_ids[:12]) == said[b]
+    plain = StubModel(tok)
+    assert list(out[1].outputs[0].token_ids[12:]) == [
+        plain.next_tokens([*b, *out[1].outputs[0].token_ids[:k]], 0)[0] for k in range(12, 24)]
+    spec = llm.engine.statistics().spec
+    assert spec is not None
+    assert spec.draft_tokens == spec.accepted_tokens > 0
+    # forward's argmax agrees with pick_greedy's row by row (the engine took the latter)
+    hist = [*a, *said[a][:5]]
+    batch = ForwardBatch([0] * len(hist), [], [], [len(hist)], [len(hist)], [],
+                         [len(hist) - 1], [hist], [0])
+    assert model.forward(batch).argmax(dim=-1).tolist() == model.pick_greedy(batch) == [2005]
+
+
+def test_the_plan_takes_each_requests_tokens_from_a_trace(tok: Tokenizer) -> None:
+    prompt = tuple(range(2000, 2030))
+    rec = (SimRequest("x", 0.0, prompt, SamplingParams(temperature=0, max_tokens=4),
+                      output_ids=(1, 2, 3)),
+           SimRequest("y", 0.0, prompt, SamplingParams(max_tokens=4), output_ids=(9,)),
+           SimRequest("z", 0.0, (5, 6), SamplingParams(max_tokens=4)))
+    assert Workload(rec, 1.0, "t").recorded_outputs() == {prompt: (1, 2, 3)}  # the first
+
+
+def test_capacity_plans_on_a_traces_recorded_tokens(
+        tok: Tokenizer, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = ROOT / "traces" / "virtual.jsonl"
+    work = trace_workload(trace, tok)
+    recorded = {e.id: e.fields["token_ids"] for e in load_trace(trace).expectations
+                if "token_ids" in e.fields}
+    assert {r.id: list(r.output_ids or ()) for r in work.requests} == recorded
+    cost = tmp_path / "cost.json"
+    COST.save(cost)
+    args = ["capacity", str(trace), "--cost", str(cost), "--quiet", "--no-plots",
+            "--acceptance", "recorded", "--out", str(tmp_path / "plan")]
+    assert main(args) == 2
+    assert "--acceptance needs speculation" in capsys.readouterr().err
+    assert main([*args, "--engine", 'speculative_config={"method": "ngram"}']) == 0
+    report = json.loads((tmp_path / "plan.json").read_text())
+    assert report["speculation"]["recorded_outputs"] is True
+    # a load spec records no tokens
+    assert main(["capacity", "--load", "n=4,rate=1,prompt=fixed:8,output=fixed:4", "--cost",
+                 str(cost), "--quiet", "--no-plots", "--acceptance", "recorded", "--engine",
+                 'speculative_config={"method": "ngram"}']) == 2
+    assert "the trace records no request's tokens" in capsys.readouterr().err
+
+
+def test_measured_outputs_said_back_give_the_measured_steps(tok: Tokenizer) -> None:
+    # --acceptance measured's two halves on the stub: the bridge's clients note what each
+    # request said (drive_fleet's outputs), and a stub saying that back runs the same steps
+    # at the same virtual times as the measured run (the copying stub stands in for a model).
+    work = copy_workload(tok, 24).head(6)
+    model = StubModel(tok, copy_prob=0.7)
+    said: dict[str, list[int]] = {}
+
+    async def run() -> list[Record]:
+        async with AsyncEngine.open(Engine(model, tok, CONFIG), VirtualClock(COST)) as b:
+            return await drive_fleet(work.requests, [b], Router("round_robin", 1, 16),
+                                     outputs=said)
+
+    measured = trio.run(run, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert [len(said[r.id]) for r in work.requests] == [24] * 6
+    outputs = {r.prompt_ids: tuple(said[r.id]) for r in work.requests}
+    again = simulated(work, COST, tok, CONFIG, outputs=outputs)
+    for a, b in zip(measured, again.records, strict=True):
+        assert a.token_times == pytest.approx(b.token_times, abs=1e-9)
+    assert again.stats[0].spec is not None
+    assert again.stats[0].spec.draft_tokens > 0
