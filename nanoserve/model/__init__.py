@@ -11,6 +11,7 @@
     ops.py        a layer's elementwise parts: one native kernel each, or stock PyTorch ops
     linear.py     a float weight multiply in the device's fastest form (MKL's packed sgemm)
     stub.py       the stub: logits from (seed, history), for simulation and tests
+    stub_says.py  what the stub is told to say: a prompt's script, a recorded output, copying
     loader.py     a model name or path -> a Hugging Face folder, converted once and cached
     gguf.py       reading a llama GGUF: tensors, metadata, tokenizer
 """

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from nanoserve.model.base import ForwardBatch, ModelConfig
+from nanoserve.model.stub_says import Recorded, Scripts, copied
 from nanoserve.sampling.seeds import MASK64, mix64, mix64_array
 from nanoserve.tokenizer import Tokenizer
 
@@ -43,148 +44,20 @@ _VECTOR_ROWS = 8
 _TAIL = 4  # history tokens the hash reads
 _U32, _U3, _LOW32 = np.uint64(32), np.uint64(3), np.uint64(0xFFFFFFFF)
 STUB_CONTEXT = 8192  # the stub's context length, as SmolLM2's
-# A prompt holding `⟪say⟫TEXT⟪/say⟫` makes the stub say TEXT (its tokens, then EOS; the last
-# such script where there are several): the tests' scripted outputs (tool-call markup,
-# reasoning), replayable from a trace.
-SAY_OPEN, SAY_CLOSE = "⟪say⟫", "⟪/say⟫"
-_SCRIPTS_KEPT = 1024  # sequences whose script (or its absence) is remembered
-_COPY_SPAN = 4  # the longest ending `copied` looks up: the n-gram proposer's default most
 _COPY_SALT = 0x2545F4914F6CDD1D  # the copy coin's hash is its own, apart from EOS's bits
-
-
-def copied(hist: Sequence[int], upto: int) -> int:
-    """What copying says after hist[:upto]: the token that followed the last earlier
-    occurrence of its longest ending of at most _COPY_SPAN tokens; where its last token
-    never occurred before (the stub's own words between copies), the history's first, so
-    copying starts again from the top of the prompt."""
-    seq = np.asarray(hist[:upto], dtype=np.int64)
-    ends = np.flatnonzero(seq[:-1] == seq[-1])
-    if ends.size == 0:
-        return int(seq[0])
-    best = ends
-    for back in range(1, min(_COPY_SPAN, upto - 1)):
-        longer = best[best >= back]
-        longer = longer[seq[longer - back] == seq[upto - 1 - back]]
-        if longer.size == 0:
-            break
-        best = longer
-    return int(seq[best[-1] + 1])
-
-
-class Scripts:
-    """What prompts tell the stub to say (`SAY_OPEN`...`SAY_CLOSE`), each sequence's prompt
-    read once: id(history) -> (the history list itself, its script's tokens or None), the
-    last `_SCRIPTS_KEPT` sequences first seen (one forgotten is only read again)."""
-
-    def __init__(self, tokenizer: Tokenizer, eos: int) -> None:
-        self._tokenizer = tokenizer
-        self._eos = eos
-        self._seen: dict[int, tuple[Sequence[int], list[int] | None]] = {}
-        self._suspects: frozenset[int] | None = None
-
-    def _script(self, hist: Sequence[int]) -> list[int] | None:
-        """The tokens the prompt in `hist` tells the stub to say, if it does."""
-        got = self._seen.get(id(hist))
-        if got is not None and got[0] is hist:
-            return got[1]
-        script = self._read(hist) if self._may_say(hist) else None
-        self._seen[id(hist)] = (hist, script)
-        if len(self._seen) > _SCRIPTS_KEPT:
-            del self._seen[next(iter(self._seen))]
-        return script
-
-    def _read(self, hist: Sequence[int]) -> list[int] | None:
-        text = self._tokenizer.decode(list(hist), skip_special_tokens=False)
-        start = text.rfind(SAY_OPEN)  # the last: a tool result may script the next turn
-        end = text.find(SAY_CLOSE, start)
-        return (self._tokenizer.encode(text[start + len(SAY_OPEN):end])
-                if start >= 0 and end > start else None)
-
-    def _may_say(self, hist: Sequence[int]) -> bool:
-        """Whether `hist`'s text can hold SAY_OPEN's first character, found without decoding
-        it all (a simulated prompt is thousands of tokens, a decode of it a third of a
-        millisecond): that character is in the text only inside one token, or split over a
-        run of consecutive tokens each of which holds part of a multi-byte character, and
-        both kinds are `suspects`; so only the runs of suspects are decoded."""
-        if self._suspects is None:
-            mark = SAY_OPEN[0]
-            self._suspects = frozenset(i for i, t in enumerate(self._tokenizer.token_texts())
-                                       if mark in t or "\ufffd" in t)
-        suspects = self._suspects
-        if suspects.isdisjoint(hist):
-            return False
-        at = [i for i, t in enumerate(hist) if t in suspects]
-        first = 0
-        for k in range(1, len(at) + 1):
-            if k == len(at) or at[k] != at[k - 1] + 1:  # the end of a run
-                run = hist[at[first]:at[k - 1] + 1]
-                if SAY_OPEN[0] in self._tokenizer.decode(list(run), skip_special_tokens=False):
-                    return True
-                first = k
-        return False
-
-    def next_token(self, hist: Sequence[int], upto: int) -> int | None:
-        """The scripted next token after hist[:upto] (EOS once it is all said), or None:
-        the output so far is the longest suffix of the history that begins the script."""
-        script = self._script(hist)
-        if script is None:
-            return None
-        for k in range(min(len(script), upto), 0, -1):
-            if list(hist[upto - k:upto]) == script[:k]:
-                return script[k] if k < len(script) else self._eos
-        return script[0] if script else self._eos
-
-    def said(self, histories: Sequence[Sequence[int]],
-             rows: Sequence[tuple[int, int]]) -> list[int | None] | None:
-        """`next_token` for each (row, upto), or None when no row's prompt scripts anything
-        (the common case, found with one look-up a row)."""
-        if all(self._script(histories[row]) is None for row, _ in rows):
-            return None
-        return [self.next_token(histories[r], upto) for r, upto in rows]
-
-
-class Recorded:
-    """What the stub says after given prompts: each one's recorded output tokens (a trace's,
-    or a measured run's), so that speculation's proposals are kept or refused token for
-    token as on the model that said them; past a recording's end, and after any other
-    prompt, the stub's own tokens. A history is matched to its prompt once (by the list
-    object, as Scripts does; a proposal's rows bring a new list each step)."""
-
-    def __init__(self, outputs: Mapping[tuple[int, ...], Sequence[int]]) -> None:
-        self._outputs = {p: tuple(o) for p, o in outputs.items() if p}
-        # Prompts by their length and first token, each length's longest first: a row's
-        # history is tried against each length it can hold.
-        self._keys: dict[int, set[int]] = {}
-        for p in self._outputs:
-            self._keys.setdefault(len(p), set()).add(p[0])
-        self._lengths = sorted(self._keys, reverse=True)
-        self._seen: dict[int, tuple[Sequence[int], tuple[int, tuple[int, ...]] | None]] = {}
-
-    def _match(self, hist: Sequence[int]) -> tuple[int, tuple[int, ...]] | None:
-        """(the prompt's length, its recorded output) for the prompt `hist` begins with."""
-        got = self._seen.get(id(hist))
-        if got is not None and got[0] is hist:
-            return got[1]
-        found = None
-        for n in self._lengths:
-            if n <= len(hist) and hist[0] in self._keys[n]:
-                out = self._outputs.get(tuple(hist[:n]))
-                if out is not None:
-                    found = (n, out)
-                    break
-        self._seen[id(hist)] = (hist, found)
-        if len(self._seen) > _SCRIPTS_KEPT:
-            del self._seen[next(iter(self._seen))]
-        return found
-
-    def next_token(self, hist: Sequence[int], upto: int) -> int | None:
-        """The recorded token after hist[:upto], or None (no recording, or past its end)."""
-        found = self._match(hist)
-        if found is None:
-            return None
-        n, out = found
-        i = upto - n
-        return out[i] if 0 <= i < len(out) else None
+def row_hash(length: int, tail: Sequence[int], seed: int) -> int:
+    """A row's hash: mix64(mix64(... mix64(seed) ^ length) ^ t ...) over its last tokens,
+    with mix64 inlined (a test holds it to nanoserve.sampling.seeds): this runs once per
+    simulated token, millions of times in a capacity sweep."""
+    m = MASK64
+    h = seed & m
+    for x in (0, length, *tail):  # the first round is mix64(seed ^ 0)
+        h ^= x & m
+        h = (h + 0x9E3779B97F4A7C15) & m
+        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & m
+        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & m
+        h ^= h >> 31
+    return h
 
 
 class StubModel:
@@ -198,8 +71,8 @@ class StubModel:
         max_position_embeddings: int = STUB_CONTEXT,
         device: str = "cpu",
     ) -> None:
-        """`outputs`: recorded output tokens by prompt (Recorded), said before anything
-        but a prompt's script."""
+        """`outputs`: recorded output tokens by prompt (stub_says.Recorded), said before
+        anything but a prompt's script."""
         if not 0.0 <= eos_prob <= 1.0:
             raise ValueError(f"stub eos_prob must be in [0, 1], got {eos_prob}")
         if not 0.0 <= copy_prob <= 1.0:
@@ -257,21 +130,6 @@ class StubModel:
         """The row's candidates, best first: what its logits rank highest."""
         return self._candidates(history, len(history), seed)
 
-    @staticmethod
-    def _hash(length: int, tail: Sequence[int], seed: int) -> int:
-        # mix64(mix64(... mix64(seed) ^ length) ^ t ...) with mix64 inlined (a test holds
-        # it to nanoserve.sampling.seeds): this runs once per simulated token, millions of times in
-        # a capacity sweep.
-        m = MASK64
-        h = seed & m
-        for x in (0, length, *tail):  # the first round is mix64(seed ^ 0)
-            h ^= x & m
-            h = (h + 0x9E3779B97F4A7C15) & m
-            h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & m
-            h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & m
-            h ^= h >> 31
-        return h
-
     def _copies(self, h: int) -> bool:
         """The copy coin of a row whose hash is `h`."""
         return self._copy_cut > 0 and (mix64(h ^ _COPY_SALT) & 0xFFFFFFFF) < self._copy_cut
@@ -279,7 +137,7 @@ class StubModel:
     def _candidates(self, hist: Sequence[int], upto: int, seed: int) -> list[int]:
         """The candidates after hist[:upto], best first."""
         tail = hist[max(0, upto - _TAIL):upto]
-        h = self._hash(upto, tail, seed)
+        h = row_hash(upto, tail, seed)
         pool = self._vocab_pool
         out: list[int] = []
         if (h & 0xFFFFFFFF) < self._eos_cut:
@@ -303,7 +161,7 @@ class StubModel:
     def _top(self, hist: Sequence[int], upto: int, seed: int) -> int:
         """`_candidates(...)[0]` without the runners-up: the same four cases in order."""
         tail = hist[max(0, upto - _TAIL):upto]
-        h = self._hash(upto, tail, seed)
+        h = row_hash(upto, tail, seed)
         if (h & 0xFFFFFFFF) < self._eos_cut:
             return self._eos
         if upto and self._copies(h):
@@ -376,22 +234,9 @@ class StubModel:
         return out
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        # Map each wanted flat index to its row: rows are laid out in order.
-        ends: list[int] = []
-        acc = 0
-        for q in batch.query_lens:
-            acc += q
-            ends.append(acc)
-        rows: list[int] = []
-        r = 0
-        for idx in batch.logits_indices:
-            while ends[r] <= idx:
-                r += 1
-            rows.append(r)
         picks: list[list[int]] = []
-        for row, idx in zip(rows, batch.logits_indices, strict=True):
-            # The history up to and including the token at `idx`.
-            upto = batch.context_lens[row] - (ends[row] - 1 - idx)
+        rows = self._logits_rows(batch)  # each wanted token's row and its history's length
+        for row, upto in rows:
             hist = batch.histories[row]
             cands = self._candidates(hist, upto, batch.seeds[row])
             token = self._scripts.next_token(hist, upto)

@@ -17,7 +17,7 @@ requests that copy whole and requests that copy little, so the plan's throughput
 the rate and its per-request latencies less so (docs/capacity.md has the figures).
 
 Where the text itself is at hand, a plan needs no rate: `--acceptance recorded` makes the
-stub say each request's recorded tokens (a trace's token_ids; model/stub.py's Recorded), and
+stub say each request's recorded tokens (a trace's token_ids; model/stub_says.py's Recorded), and
 `sim validate --acceptance measured` what the same request said in its first measured run.
 Each proposal is then kept or refused as it was on the model, request by request.
 """
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.engine import Engine
@@ -113,3 +113,35 @@ def copy_prob_for(target: float, workload: Workload, cost: CostModel, tokenizer:
         else:
             hi = mid
     return best
+
+
+def speculation_inputs(asked: float | str | None, workload: Workload, cost: CostModel,
+                       tok: Tokenizer, config: EngineConfig
+                       ) -> tuple[float, dict[tuple[int, ...], tuple[int, ...]] | None]:
+    """The stub's copy probability and recorded outputs for --acceptance (acceptance.py);
+    under `measured` the outputs come from the first measured run, later."""
+    if asked is not None and config.speculative is None:
+        raise ValueError("--acceptance needs speculation: --engine speculative_config=...")
+    if asked == RECORDED:
+        outputs = workload.recorded_outputs()
+        if not outputs:
+            raise ValueError("--acceptance recorded: the workload records no request's "
+                             "tokens (a trace with token_ids on its expectation lines)")
+        return 0.0, outputs
+    if isinstance(asked, float):
+        return copy_prob_for(asked, workload, cost, tok, config)[0], None
+    return 0.0, None
+
+
+def speculation_line(asked: float | str | None, copy_prob: float, sim: SimResult,
+                     measured: Sequence[float | None]) -> str:
+    """Speculation's acceptance, simulated and measured: what the plan's step counts rest on."""
+    def rate(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f}"
+
+    plan = ("the stub's own (no --acceptance)" if asked is None else
+            "the stub saying what the first measured run said" if asked == MEASURED else
+            "the stub saying the recorded tokens" if asked == RECORDED else
+            f"asked {asked:.3f}, the stub copying {copy_prob:.3f} of its tokens")
+    return (f"speculation: acceptance simulated {rate(acceptance(sim))} ({plan}); measured "
+            + " ".join(rate(x) for x in measured))

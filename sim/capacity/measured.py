@@ -16,19 +16,30 @@ thread (LiveClock), so N replicas step in parallel, as far as the torch threads 
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from typing import Any
 
 import trio
 
 from nanoserve.bridge import AsyncEngine, RequestStream
 from nanoserve.bridge.clock import LiveClock, Step
+from nanoserve.config import EngineConfig
 from nanoserve.engine.engine import Engine
 from nanoserve.engine.outputs import StepResult
+from nanoserve.model.base import Model
 from nanoserve.progress import bar
 from nanoserve.sampling.params import ParamError, SamplingParams
+from nanoserve.tokenizer import Tokenizer
+from sim.capacity.acceptance import acceptance
+from sim.capacity.calibrate import machine_speed, steal_seconds
+from sim.capacity.cost import CostModel
 from sim.capacity.fleet import Record, SimResult
+from sim.capacity.metrics import summarize
+from sim.capacity.plan import flat
 from sim.capacity.routers import Router
 from sim.load.workload import SimRequest, Workload
 
@@ -160,3 +171,75 @@ def measure(workload: Workload, engines: Sequence[Engine], router: Router,
     contention = wall / cpu if cpu else 1.0
     stats = tuple(e.statistics() for e in engines)
     return SimResult(tuple(records), (), stats, end), contention
+
+
+# Steps that took this much longer than their CPU time, or a host that stole this fraction
+# of a CPU, mark a run as measured on a busy host: its figures are flagged.
+DISTURBED_WAIT = 1.10
+DISTURBED_STEAL = 0.10
+
+
+def agreement(predicted: SimResult, measured: SimResult) -> float:
+    """The fraction of requests the measured fleet placed where the simulated one did."""
+    same = sum(p.replica == m.replica
+               for p, m in zip(predicted.records, measured.records, strict=True))
+    return same / len(predicted.records) if predicted.records else 1.0
+
+
+@dataclass(slots=True)
+class Measured:
+    """The measured runs' figures, one entry per run in each list; `speeds` has one more, the
+    machine's speed taken before the first run."""
+
+    runs: list[dict[str, Any]] = field(default_factory=list)  # each run's flat summary
+    contention: list[float] = field(default_factory=list)
+    steal: list[float | None] = field(default_factory=list)
+    placed: list[float] = field(default_factory=list)
+    speeds: list[float] = field(default_factory=list)
+    acceptance: list[float | None] = field(default_factory=list)  # speculation's, each run
+    results: list[SimResult] = field(default_factory=list)
+    outputs: dict[str, list[int]] = field(default_factory=dict)  # the first run's tokens
+
+
+def measure_runs(workload: Workload, models: Sequence[Model], tok: Tokenizer, cost: CostModel,
+                 config: EngineConfig, sim: SimResult | None, *, runs: int, router: str,
+                 warmup: float, quiet: bool) -> Measured:
+    """`runs` wall-clock runs of `workload` on fresh engines over `models` (one a replica,
+    placed by `router`), each told on stderr as it ends (and flagged if the host was busy);
+    `sim` is the simulated run whose placements each run is held against (None: not yet
+    run; the caller holds them)."""
+    replicas = len(models)
+    m = Measured()
+    # The machine's speed against the cost model's before each run and after the last
+    # (sim/capacity/calibrate.py): what tells the host's drift apart from the model's error.
+    m.speeds.append(machine_speed(models[0], tok, cost))
+    for k in range(runs):
+        steal0, t0 = steal_seconds(), time.perf_counter()
+        label = None if quiet else f"sim validate: run {k + 1}/{runs}"
+        engines = [Engine(model, tok, config) for model in models]
+        placer = Router(router, replicas, config.block_size)
+        result, contention = measure(workload, engines, placer, label,
+                                     m.outputs if k == 0 else None)
+        steal1, wall = steal_seconds(), time.perf_counter() - t0
+        m.steal.append(None if steal0 is None or steal1 is None else (steal1 - steal0) / wall)
+        m.contention.append(contention)
+        if sim is not None:
+            m.placed.append(agreement(sim, result))
+        m.results.append(result)
+        m.acceptance.append(acceptance(result))
+        m.speeds.append(machine_speed(models[0], tok, cost))
+        m.runs.append(flat(summarize(result, warmup=warmup, slo=None,
+                                     num_blocks=config.num_blocks or 1, replicas=replicas)))
+        print(f"run {k + 1}/{runs}: {m.runs[-1]['output_token_throughput']:.1f} tok/s, "
+              f"ttft p50 {m.runs[-1]['ttft_p50']}, tpot p50 {m.runs[-1]['tpot_p50']}, "
+              f"steps took {contention:.2f}x their CPU time, machine speed "
+              f"x{m.speeds[-2]:.3f} before, x{m.speeds[-1]:.3f} after"
+              + (f", {m.placed[-1]:.0%} placed as simulated"
+                 if replicas > 1 and sim is not None else ""),
+              file=sys.stderr, flush=True)
+        if contention > DISTURBED_WAIT or (m.steal[-1] or 0.0) > DISTURBED_STEAL:
+            print(f"run {k + 1}: disturbed: the steps waited {contention - 1:.0%} beyond their "
+                  f"CPU time, the host stole {m.steal[-1] or 0.0:.0%} of a CPU; its wall-clock "
+                  "figures say as much about the host as about the model", file=sys.stderr,
+                  flush=True)
+    return m

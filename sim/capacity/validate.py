@@ -29,9 +29,7 @@ import os
 import shlex
 import statistics
 import sys
-import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from nanoserve import flags
@@ -43,28 +41,23 @@ from nanoserve.model.stub import StubModel
 from nanoserve.tokenizer import Tokenizer
 from sim.capacity.acceptance import (
     MEASURED,
-    RECORDED,
     acceptance,
     acceptance_arg,
-    copy_prob_for,
+    speculation_inputs,
+    speculation_line,
 )
-from sim.capacity.calibrate import geometric_mean, machine_speed, scaled, steal_seconds
+from sim.capacity.calibrate import geometric_mean, scaled
 from sim.capacity.cost import CostModel, load_cost_model
 from sim.capacity.fleet import SimResult, simulate
-from sim.capacity.measured import measure
+from sim.capacity.measured import Measured, agreement, measure_runs
 from sim.capacity.metrics import summarize
 from sim.capacity.plan import default_num_blocks, flat
 from sim.capacity.profile import machine_info, set_threads, torch_threads
-from sim.capacity.routers import ROUTERS, Router
+from sim.capacity.routers import ROUTERS
 from sim.cli_util import add_trace_args, engine_config, guarded, trace_options
 from sim.files import atomic_write_text
 from sim.load.spec import parse_load_spec
 from sim.load.workload import Workload, copy_workload, file_workload, spec_workload
-
-# Steps that took this much longer than their CPU time, or a host that stole this fraction
-# of a CPU, mark a run as measured on a busy host: its figures are flagged.
-DISTURBED_WAIT = 1.10
-DISTURBED_STEAL = 0.10
 
 COMPARED = ("output_token_throughput", "request_throughput", "ttft_p50", "ttft_p90",
             "tpot_p50", "tpot_p90", "itl_p50", "e2e_p50")
@@ -160,12 +153,6 @@ def predict(workload: Workload, cost: CostModel, tokenizer: Any, config: EngineC
                      replicas=replicas)
 
 
-def agreement(predicted: SimResult, measured: SimResult) -> float:
-    """The fraction of requests the measured fleet placed where the simulated one did."""
-    same = sum(p.replica == m.replica
-               for p, m in zip(predicted.records, measured.records, strict=True))
-    return same / len(predicted.records) if predicted.records else 1.0
-
 # The flags a --report's command line gives when they differ from these (their defaults).
 _REPORT_DEFAULTS = {"trace_format": None, "start": 0.0, "duration": None, "speedup": 1.0,
                     "trace_seed": 0, "threads": None, "quantization": "auto", "warmup": 0.0}
@@ -177,28 +164,20 @@ def run_validate(a: argparse.Namespace) -> int:
     if sum(x is not None for x in (a.load, a.trace, a.workload)) != 1:
         raise ValueError("give --load SPEC, --trace FILE or --workload copy (one of them)")
     set_threads(a.threads)
-    from nanoserve.model import load
-
     cost = load_cost_model(a.cost)
     base = engine_config(a.engine)
     config = dataclasses.replace(base, num_blocks=default_num_blocks(cost, base))
-    model, tok = load(a.model, quantization=a.quantization)
-    # One model object per replica: each engine allocates its KV cache in its model.
-    models = [model] + [load(a.model, quantization=a.quantization)[0]
-                        for _ in range(a.replicas - 1)]
-    cores = os.cpu_count() or 1
-    if a.replicas * torch_threads() > cores:
-        print(f"note: {a.replicas} replicas x {torch_threads()} torch threads > {cores} cores: "
-              "the replicas will slow each other down (give --threads)", file=sys.stderr)
+    models, tok = _models(a)
     workload = (spec_workload(parse_load_spec(a.load), tok, tok.vocab_size) if a.load else
                 copy_workload(tok, a.copy_tokens) if a.workload else
                 file_workload(a.trace, tok, **trace_options(a)))
-    copy_prob, outputs = _speculation_inputs(a.acceptance, workload, cost, tok, config)
+    copy_prob, outputs = speculation_inputs(a.acceptance, workload, cost, tok, config)
     # Under --acceptance measured the stub says what the first measured run said, so the
     # simulation comes after the runs (and the placements are held against it then).
     sim = None if a.acceptance == MEASURED else simulated(
         workload, cost, tok, config, a.replicas, a.router, copy_prob, outputs)
-    measured = _measure_runs(a, workload, models, tok, cost, config, sim)
+    measured = measure_runs(workload, models, tok, cost, config, sim, runs=a.runs,
+                            router=a.router, warmup=a.warmup, quiet=a.quiet)
     if sim is None:
         said = measured.outputs
         outputs = {r.prompt_ids: tuple(said[r.id]) for r in workload.requests if r.id in said}
@@ -207,146 +186,77 @@ def run_validate(a: argparse.Namespace) -> int:
     predicted = flat(summarize(sim, warmup=a.warmup, slo=None,
                                num_blocks=config.num_blocks or 1, replicas=a.replicas))
     speed = geometric_mean(measured.speeds)
-    now = scaled(cost, speed)
     rows = compare(predicted, measured.runs)
-    rows_now = compare(flat(predict(workload, now, tok, config, a.warmup, a.replicas,
-                                    a.router, copy_prob, outputs)), measured.runs)
-    known = [s for s in measured.steal if s is not None]
-    fleet = f"{a.replicas} replicas, router {a.router}; " if a.replicas > 1 else ""
-    head = (f"load {workload.source} on {a.model}; {fleet}cost model {cost.name}; {a.runs} runs; "
-            f"steps took {statistics.fmean(measured.contention):.2f}x their CPU time "
-            "(1 = idle cores)"
-            + (f"; host steal {statistics.fmean(known):.0%} of a CPU" if known else ""))
+    rows_now = compare(flat(predict(workload, scaled(cost, speed), tok, config, a.warmup,
+                                    a.replicas, a.router, copy_prob, outputs)), measured.runs)
+    head = _head(a, workload.source, cost.name, measured)
     if config.speculative is not None:
-        head += "\n" + _speculation_line(a.acceptance, copy_prob, sim, measured.acceptance)
-    if a.replicas > 1:
-        head += ("\nplaced on the simulator's replica: "
-                 + " ".join(f"{p:.0%}" for p in measured.placed))
+        head += "\n" + speculation_line(a.acceptance, copy_prob, sim, measured.acceptance)
     text = head + "\n" + calibration_table(rows, rows_now, speed, measured.speeds)
     print(text)
     if a.report:
-        runs = "\n".join(
-            f"run {k + 1}: contention {c:.2f}x, machine speed x{measured.speeds[k]:.3f} before, "
-            f"x{measured.speeds[k + 1]:.3f} after" for k, c in enumerate(measured.contention))
-        # Every flag that changes the measurement and is not at its default, so the line
-        # reruns it (the trace's flags are at their defaults under --load).
-        given = (f"--load {a.load}" if a.load else
-                 f"--workload copy --copy-tokens {a.copy_tokens}" if a.workload else
-                 f"--trace {a.trace}")
-        given += "" if a.acceptance is None else f" --acceptance {a.acceptance}"
-        given += "".join(f" --{k.replace('_', '-')} {getattr(a, k)}"
-                         for k, d in _REPORT_DEFAULTS.items() if getattr(a, k) != d)
-        given += " --ignore-prefixes" if a.ignore_prefixes else ""
-        given += f" --replicas {a.replicas} --router {a.router}" if a.replicas > 1 else ""
-        given += "".join(f" --engine {shlex.quote(e)}" for e in a.engine)
-        atomic_write_text(a.report, f"sim validate {given} --cost {a.cost} --model {a.model} "
-                          f"--runs {a.runs}\nengine: {config}\n"
-                          f"machine: {json.dumps(machine_info())}\n{text}\n{runs}\n")
+        atomic_write_text(a.report, _report(a, config, text, measured))
     if a.out:
-        atomic_write_text(a.out, json.dumps({"load": workload.source, "model": a.model,
-                                           "replicas": a.replicas, "router": a.router,
-                                           "cost_model": cost.name, "predicted": predicted,
-                                           "runs": measured.runs,
-                                           "contention": measured.contention,
-                                           "steal": measured.steal,
-                                           "machine_speed": measured.speeds,
-                                           "placement_agreement": measured.placed,
-                                           "acceptance": {"asked": a.acceptance,
-                                                          "copy_prob": copy_prob,
-                                                          "simulated": acceptance(sim),
-                                                          "measured": measured.acceptance},
-                                           "compare": rows, "compare_at_speed": rows_now},
-                                          indent=1) + "\n")
+        atomic_write_text(a.out, json.dumps({
+            "load": workload.source, "model": a.model, "replicas": a.replicas,
+            "router": a.router, "cost_model": cost.name, "predicted": predicted,
+            "runs": measured.runs, "contention": measured.contention, "steal": measured.steal,
+            "machine_speed": measured.speeds, "placement_agreement": measured.placed,
+            "acceptance": {"asked": a.acceptance, "copy_prob": copy_prob,
+                           "simulated": acceptance(sim), "measured": measured.acceptance},
+            "compare": rows, "compare_at_speed": rows_now}, indent=1) + "\n")
     return 0
 
 
-@dataclass(slots=True)
-class _Measured:
-    """The measured runs' figures, one entry per run in each list; `speeds` has one more, the
-    machine's speed taken before the first run."""
+def _models(a: argparse.Namespace) -> tuple[list[Model], Tokenizer]:
+    """One model object per replica (each engine allocates its KV cache in its model), and
+    the tokenizer."""
+    from nanoserve.model import load
 
-    runs: list[dict[str, Any]] = field(default_factory=list)  # each run's flat summary
-    contention: list[float] = field(default_factory=list)
-    steal: list[float | None] = field(default_factory=list)
-    placed: list[float] = field(default_factory=list)
-    speeds: list[float] = field(default_factory=list)
-    acceptance: list[float | None] = field(default_factory=list)  # speculation's, each run
-    results: list[SimResult] = field(default_factory=list)
-    outputs: dict[str, list[int]] = field(default_factory=dict)  # the first run's tokens
-
-
-def _measure_runs(a: argparse.Namespace, workload: Workload, models: Sequence[Model],
-                  tok: Tokenizer, cost: CostModel, config: EngineConfig,
-                  sim: SimResult | None) -> _Measured:
-    """`a.runs` wall-clock runs of `workload` on fresh engines over `models`, each told on
-    stderr as it ends (and flagged if the host was busy); `sim` is the simulated run whose
-    placements each run is held against (None: not yet run; the caller holds them)."""
-    m = _Measured()
-    # The machine's speed against the cost model's before each run and after the last
-    # (sim/capacity/calibrate.py): what tells the host's drift apart from the model's error.
-    m.speeds.append(machine_speed(models[0], tok, cost))
-    for k in range(a.runs):
-        steal0, t0 = steal_seconds(), time.perf_counter()
-        label = None if a.quiet else f"sim validate: run {k + 1}/{a.runs}"
-        engines = [Engine(model, tok, config) for model in models]
-        router = Router(a.router, a.replicas, config.block_size)
-        result, contention = measure(workload, engines, router, label,
-                                     m.outputs if k == 0 else None)
-        steal1, wall = steal_seconds(), time.perf_counter() - t0
-        m.steal.append(None if steal0 is None or steal1 is None else (steal1 - steal0) / wall)
-        m.contention.append(contention)
-        if sim is not None:
-            m.placed.append(agreement(sim, result))
-        m.results.append(result)
-        m.acceptance.append(acceptance(result))
-        m.speeds.append(machine_speed(models[0], tok, cost))
-        m.runs.append(flat(summarize(result, warmup=a.warmup, slo=None,
-                                     num_blocks=config.num_blocks or 1, replicas=a.replicas)))
-        print(f"run {k + 1}/{a.runs}: {m.runs[-1]['output_token_throughput']:.1f} tok/s, "
-              f"ttft p50 {m.runs[-1]['ttft_p50']}, tpot p50 {m.runs[-1]['tpot_p50']}, "
-              f"steps took {contention:.2f}x their CPU time, machine speed "
-              f"x{m.speeds[-2]:.3f} before, x{m.speeds[-1]:.3f} after"
-              + (f", {m.placed[-1]:.0%} placed as simulated"
-                 if a.replicas > 1 and sim is not None else ""),
-              file=sys.stderr, flush=True)
-        if contention > DISTURBED_WAIT or (m.steal[-1] or 0.0) > DISTURBED_STEAL:
-            print(f"run {k + 1}: disturbed: the steps waited {contention - 1:.0%} beyond their "
-                  f"CPU time, the host stole {m.steal[-1] or 0.0:.0%} of a CPU; its wall-clock "
-                  "figures say as much about the host as about the model", file=sys.stderr,
-                  flush=True)
-    return m
+    model, tok = load(a.model, quantization=a.quantization)
+    models = [model] + [load(a.model, quantization=a.quantization)[0]
+                        for _ in range(a.replicas - 1)]
+    cores = os.cpu_count() or 1
+    if a.replicas * torch_threads() > cores:
+        print(f"note: {a.replicas} replicas x {torch_threads()} torch threads > {cores} cores: "
+              "the replicas will slow each other down (give --threads)", file=sys.stderr)
+    return models, tok
 
 
-def _speculation_inputs(asked: float | str | None, workload: Workload, cost: CostModel,
-                        tok: Tokenizer, config: EngineConfig
-                        ) -> tuple[float, dict[tuple[int, ...], tuple[int, ...]] | None]:
-    """The stub's copy probability and recorded outputs for --acceptance (acceptance.py);
-    under `measured` the outputs come from the first measured run, later."""
-    if asked is not None and config.speculative is None:
-        raise ValueError("--acceptance needs speculation: --engine speculative_config=...")
-    if asked == RECORDED:
-        outputs = workload.recorded_outputs()
-        if not outputs:
-            raise ValueError("--acceptance recorded: the workload records no request's "
-                             "tokens (a trace with token_ids on its expectation lines)")
-        return 0.0, outputs
-    if isinstance(asked, float):
-        return copy_prob_for(asked, workload, cost, tok, config)[0], None
-    return 0.0, None
+def _head(a: argparse.Namespace, source: str, cost_name: str, measured: Measured) -> str:
+    """The report's first lines: the load, the runs' contention and steal, the placements."""
+    known = [s for s in measured.steal if s is not None]
+    fleet = f"{a.replicas} replicas, router {a.router}; " if a.replicas > 1 else ""
+    head = (f"load {source} on {a.model}; {fleet}cost model {cost_name}; {a.runs} runs; "
+            f"steps took {statistics.fmean(measured.contention):.2f}x their CPU time "
+            "(1 = idle cores)"
+            + (f"; host steal {statistics.fmean(known):.0%} of a CPU" if known else ""))
+    if a.replicas > 1:
+        head += ("\nplaced on the simulator's replica: "
+                 + " ".join(f"{p:.0%}" for p in measured.placed))
+    return head
 
 
-def _speculation_line(asked: float | str | None, copy_prob: float, sim: SimResult,
-                      measured: Sequence[float | None]) -> str:
-    """Speculation's acceptance, simulated and measured: what the plan's step counts rest on."""
-    def rate(x: float | None) -> str:
-        return "-" if x is None else f"{x:.3f}"
-
-    plan = ("the stub's own (no --acceptance)" if asked is None else
-            "the stub saying what the first measured run said" if asked == MEASURED else
-            "the stub saying the recorded tokens" if asked == RECORDED else
-            f"asked {asked:.3f}, the stub copying {copy_prob:.3f} of its tokens")
-    return (f"speculation: acceptance simulated {rate(acceptance(sim))} ({plan}); measured "
-            + " ".join(rate(x) for x in measured))
+def _report(a: argparse.Namespace, config: EngineConfig, text: str,
+            measured: Measured) -> str:
+    """--report's text: the command line that reruns it, the engine, the machine, the table
+    and each run's speed and contention."""
+    runs = "\n".join(
+        f"run {k + 1}: contention {c:.2f}x, machine speed x{measured.speeds[k]:.3f} before, "
+        f"x{measured.speeds[k + 1]:.3f} after" for k, c in enumerate(measured.contention))
+    # Every flag that changes the measurement and is not at its default, so the line
+    # reruns it (the trace's flags are at their defaults under --load).
+    given = (f"--load {a.load}" if a.load else
+             f"--workload copy --copy-tokens {a.copy_tokens}" if a.workload else
+             f"--trace {a.trace}")
+    given += "" if a.acceptance is None else f" --acceptance {a.acceptance}"
+    given += "".join(f" --{k.replace('_', '-')} {getattr(a, k)}"
+                     for k, d in _REPORT_DEFAULTS.items() if getattr(a, k) != d)
+    given += " --ignore-prefixes" if a.ignore_prefixes else ""
+    given += f" --replicas {a.replicas} --router {a.router}" if a.replicas > 1 else ""
+    given += "".join(f" --engine {shlex.quote(e)}" for e in a.engine)
+    return (f"sim validate {given} --cost {a.cost} --model {a.model} --runs {a.runs}\n"
+            f"engine: {config}\nmachine: {json.dumps(machine_info())}\n{text}\n{runs}\n")
 
 
 def calibration_table(rows: list[dict[str, Any]], rows_now: list[dict[str, Any]],

@@ -1,7 +1,7 @@
 """The stub's scripts (`⟪say⟫...⟪/say⟫`) found without decoding every simulated prompt.
 
 A prompt is decoded in full only when a run of its tokens can spell SAY_OPEN's first
-character (model/stub.py, `Scripts._may_say`); these hold that the filter misses no script,
+character (model/stub_says.py, `Scripts._may_say`); these hold that the filter misses no script,
 wherever the character's bytes fall between tokens, and that plain prompts skip the decode.
 """
 
@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from nanoserve.model.base import ForwardBatch
-from nanoserve.model.stub import SAY_CLOSE, SAY_OPEN, Scripts, StubModel
+from nanoserve.model.stub import StubModel
+from nanoserve.model.stub_says import SAY_CLOSE, SAY_OPEN, Scripts
 from nanoserve.tokenizer import Tokenizer
 
 

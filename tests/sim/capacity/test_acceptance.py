@@ -18,7 +18,8 @@ from nanoserve.engine.engine import Engine
 from nanoserve.engine.request import Update
 from nanoserve.llm import LLM
 from nanoserve.model.base import ForwardBatch
-from nanoserve.model.stub import StubModel, copied
+from nanoserve.model.stub import StubModel
+from nanoserve.model.stub_says import copied
 from nanoserve.sampling.params import SamplingParams
 from nanoserve.tokenizer import Tokenizer
 from sim.capacity.acceptance import TOLERANCE, acceptance, copy_prob_for
