@@ -45,6 +45,8 @@ _TAIL = 4  # history tokens the hash reads
 _U32, _U3, _LOW32 = np.uint64(32), np.uint64(3), np.uint64(0xFFFFFFFF)
 STUB_CONTEXT = 8192  # the stub's context length, as SmolLM2's
 _COPY_SALT = 0x2545F4914F6CDD1D  # the copy coin's hash is its own, apart from EOS's bits
+
+
 def row_hash(length: int, tail: Sequence[int], seed: int) -> int:
     """A row's hash: mix64(mix64(... mix64(seed) ^ length) ^ t ...) over its last tokens,
     with mix64 inlined (a test holds it to nanoserve.sampling.seeds): this runs once per

@@ -17,8 +17,9 @@ requests that copy whole and requests that copy little, so the plan's throughput
 the rate and its per-request latencies less so (docs/capacity.md has the figures).
 
 Where the text itself is at hand, a plan needs no rate: `--acceptance recorded` makes the
-stub say each request's recorded tokens (a trace's token_ids; model/stub_says.py's Recorded), and
-`sim validate --acceptance measured` what the same request said in its first measured run.
+stub say each request's recorded tokens (a trace's token_ids; model/stub_says.py's
+Recorded), and `sim validate --acceptance measured` what the same request said in its first
+measured run.
 Each proposal is then kept or refused as it was on the model, request by request.
 """
 
@@ -42,8 +43,7 @@ MAX_ROUNDS = 16
 # Requests of the workload the fit simulates: enough for the rate to settle, few enough
 # that the fit costs a second or two.
 FIT_REQUESTS = 64
-
-
+# --acceptance's words: the stub says a trace's recorded tokens, or a measured run's.
 RECORDED, MEASURED = "recorded", "measured"
 
 
@@ -118,7 +118,7 @@ def copy_prob_for(target: float, workload: Workload, cost: CostModel, tokenizer:
 def speculation_inputs(asked: float | str | None, workload: Workload, cost: CostModel,
                        tok: Tokenizer, config: EngineConfig
                        ) -> tuple[float, dict[tuple[int, ...], tuple[int, ...]] | None]:
-    """The stub's copy probability and recorded outputs for --acceptance (acceptance.py);
+    """The stub's copy probability and recorded outputs for --acceptance (a rate or a word);
     under `measured` the outputs come from the first measured run, later."""
     if asked is not None and config.speculative is None:
         raise ValueError("--acceptance needs speculation: --engine speculative_config=...")
