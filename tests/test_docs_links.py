@@ -154,3 +154,11 @@ def test_each_kind_of_stale_reference_is_named(tmp_path: Path) -> None:
         "page.md: `tests/server/no_such_test.py` does not exist",
         "page.md: `traces/no_such.jsonl` does not exist",
     ]
+
+
+def test_the_readme_is_a_front_page() -> None:
+    # Issue 45: what the project is, the quick start, the API, the models, the links and the
+    # layout in at most 200 lines; the details live in docs/, which its first screen names.
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 200, f"README.md is {len(lines)} lines: move the details to docs/"
+    assert any("docs/ARCHITECTURE.md" in line for line in lines[:25])
