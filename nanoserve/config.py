@@ -10,6 +10,7 @@ it again, with the same words, from the loaded model.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import re
@@ -113,6 +114,11 @@ class SpeculativeConfig:
         if isinstance(high, int) and "prompt_lookup_min" not in fields:
             fields = {**fields, "prompt_lookup_min": min(high, LOOKUP_MIN)}
         return cls(**fields)
+
+    def as_json(self) -> dict[str, Any]:
+        """The fields `parse` takes back, without those left unset (a trace's header and a
+        capacity report hold this: an n-gram config has no draft model's null)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
 
 def speculative_config_arg(text: str) -> SpeculativeConfig:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.engine import Engine
@@ -115,22 +116,33 @@ def copy_prob_for(target: float, workload: Workload, cost: CostModel, tokenizer:
     return best
 
 
+@dataclass(frozen=True, slots=True)
+class Inputs:
+    """What --acceptance gives a plan's stub: its copy probability (and the acceptance the
+    fit found for it), or the recorded outputs it says."""
+
+    copy_prob: float = 0.0
+    fit: float | None = None
+    outputs: dict[tuple[int, ...], tuple[int, ...]] | None = None
+
+
 def speculation_inputs(asked: float | str | None, workload: Workload, cost: CostModel,
-                       tok: Tokenizer, config: EngineConfig
-                       ) -> tuple[float, dict[tuple[int, ...], tuple[int, ...]] | None]:
-    """The stub's copy probability and recorded outputs for --acceptance (a rate or a word);
-    under `measured` the outputs come from the first measured run, later."""
+                       tok: Tokenizer, config: EngineConfig) -> Inputs:
+    """The stub's inputs for --acceptance (a rate or a word), `sim capacity`'s and `sim
+    validate`'s alike; under `measured` the outputs come from the first measured run, later,
+    so none here."""
     if asked is not None and config.speculative is None:
         raise ValueError("--acceptance needs speculation: --engine speculative_config=...")
     if asked == RECORDED:
         outputs = workload.recorded_outputs()
         if not outputs:
-            raise ValueError("--acceptance recorded: the workload records no request's "
-                             "tokens (a trace with token_ids on its expectation lines)")
-        return 0.0, outputs
+            raise ValueError("--acceptance recorded: the trace records no request's tokens "
+                             "(token_ids on its expectation lines; a load spec has none)")
+        return Inputs(outputs=outputs)
     if isinstance(asked, float):
-        return copy_prob_for(asked, workload, cost, tok, config)[0], None
-    return 0.0, None
+        p, got = copy_prob_for(asked, workload, cost, tok, config)
+        return Inputs(copy_prob=p, fit=got)
+    return Inputs()
 
 
 def speculation_line(asked: float | str | None, copy_prob: float, sim: SimResult,

@@ -29,7 +29,7 @@ from typing import Any
 from nanoserve import flags
 from nanoserve.progress import LabelledProgress
 from nanoserve.tokenizer import Tokenizer
-from sim.capacity.acceptance import MEASURED, RECORDED, acceptance_arg, copy_prob_for
+from sim.capacity.acceptance import MEASURED, acceptance_arg, speculation_inputs
 from sim.capacity.cost import load_cost_model
 from sim.capacity.fleet import ROUTERS
 from sim.capacity.metrics import parse_slo
@@ -143,21 +143,15 @@ def run_capacity(a: argparse.Namespace) -> int:
     else:
         seeds = [0]
         workloads = [file_workload(a.trace, tok, **trace_options(a))]
-    if a.acceptance == RECORDED:
-        if engine.speculative is None:
-            raise ValueError("--acceptance needs speculation: --engine speculative_config=...")
-        if not workloads[0].recorded_outputs():
-            raise ValueError("--acceptance recorded: the trace records no request's tokens "
-                             "(token_ids on its expectation lines)")
-        plan = dataclasses.replace(plan, recorded=True)
-    elif a.acceptance == MEASURED:
+    if a.acceptance == MEASURED:
         raise ValueError("--acceptance measured is sim validate's (its measured runs)")
-    elif a.acceptance is not None:
-        p, got = copy_prob_for(a.acceptance, workloads[0], cost, tok, engine)
-        plan = dataclasses.replace(plan, acceptance=a.acceptance, copy_prob=p,
-                                   fit_acceptance=got)
-        print(f"speculation: acceptance {a.acceptance:.3f} asked, {got:.3f} simulated "
-              f"(the stub copies {p:.3f} of its tokens)")
+    given = speculation_inputs(a.acceptance, workloads[0], cost, tok, engine)
+    rate = a.acceptance if given.fit is not None else None  # not a word
+    plan = dataclasses.replace(plan, acceptance=rate, copy_prob=given.copy_prob,
+                               fit_acceptance=given.fit, recorded=given.outputs is not None)
+    if given.fit is not None:
+        print(f"speculation: acceptance {a.acceptance:.3f} asked, {given.fit:.3f} simulated "
+              f"(the stub copies {given.copy_prob:.3f} of its tokens)")
     pool = make_executor(a.executor, a.jobs, a.ray_address)
     with pool if pool is not None else nullcontext(None) as executor:
         progress = LabelledProgress(enabled=not a.quiet,

@@ -64,10 +64,15 @@ class Record:
             if self.first_token_s is None:
                 self.first_token_s = t
                 self.cached_tokens = u.num_cached_tokens
-            self.output_tokens += len(u.new_token_ids)
+            n = len(u.new_token_ids)
+            self.output_tokens += n
             # A time per token: a checked proposal's kept tokens arrive in one update, and
-            # TPOT and ITL count tokens (metrics.py), as `sim bench` does.
-            self.token_times.extend([t] * len(u.new_token_ids))
+            # TPOT and ITL count tokens (metrics.py), as `sim bench` does. One is the usual
+            # case, once per simulated token: an append, not a list made to extend with.
+            if n == 1:
+                self.token_times.append(t)
+            else:
+                self.token_times.extend([t] * n)
         if u.text or u.finished:
             self.frames += 1
         if u.finished:

@@ -11,7 +11,6 @@ PNG when metadata={"Software": None} is passed, so PNGs are reproducible too.
 from __future__ import annotations
 
 import csv
-import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,8 +29,7 @@ def build_report(*, cost: CostModel, plan: Plan, source: str, seeds: Sequence[in
     extra: dict[str, Any] = {} if trace is None else {"trace": trace}
     if e.speculative is not None:
         extra["speculation"] = {
-            "config": {k: v for k, v in dataclasses.asdict(e.speculative).items()
-                       if v is not None},
+            "config": e.speculative.as_json(),
             "acceptance": plan.acceptance, "fit_acceptance": plan.fit_acceptance,
             "stub_copy_prob": plan.copy_prob, "recorded_outputs": plan.recorded}
     return {

@@ -37,7 +37,6 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine.engine import Engine
 from nanoserve.model.base import Model
 from nanoserve.model.quant import CHOICES
-from nanoserve.model.stub import StubModel
 from nanoserve.tokenizer import Tokenizer
 from sim.capacity.acceptance import (
     MEASURED,
@@ -51,7 +50,7 @@ from sim.capacity.cost import CostModel, load_cost_model
 from sim.capacity.fleet import SimResult, simulate
 from sim.capacity.measured import Measured, agreement, measure_runs
 from sim.capacity.metrics import summarize
-from sim.capacity.plan import default_num_blocks, flat
+from sim.capacity.plan import default_num_blocks, flat, stub_model
 from sim.capacity.profile import machine_info, set_threads, torch_threads
 from sim.capacity.routers import ROUTERS
 from sim.cli_util import add_trace_args, engine_config, guarded, trace_options
@@ -138,7 +137,7 @@ def simulated(workload: Workload, cost: CostModel, tokenizer: Any, config: Engin
     """The simulator's run of `workload`: stub engines (the stub keeps no KV, so the
     replicas share one; it copies `copy_prob` of its tokens, and says `outputs` after their
     prompts), the cost model's step durations."""
-    model = StubModel(tokenizer, copy_prob=copy_prob, outputs=outputs)
+    model = stub_model(tokenizer, config, copy_prob, outputs)
     return simulate(workload.requests, lambda: Engine(model, tokenizer, config), cost,
                     replicas=replicas, router=router)
 
@@ -171,7 +170,8 @@ def run_validate(a: argparse.Namespace) -> int:
     workload = (spec_workload(parse_load_spec(a.load), tok, tok.vocab_size) if a.load else
                 copy_workload(tok, a.copy_tokens) if a.workload else
                 file_workload(a.trace, tok, **trace_options(a)))
-    copy_prob, outputs = speculation_inputs(a.acceptance, workload, cost, tok, config)
+    given = speculation_inputs(a.acceptance, workload, cost, tok, config)
+    copy_prob, outputs = given.copy_prob, given.outputs
     # Under --acceptance measured the stub says what the first measured run said, so the
     # simulation comes after the runs (and the placements are held against it then).
     sim = None if a.acceptance == MEASURED else simulated(

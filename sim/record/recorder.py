@@ -43,7 +43,6 @@ recording sessions, not for a server that runs for weeks.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import logging
@@ -264,9 +263,8 @@ def engine_header(engine: Engine, max_queue: int | None) -> dict[str, Any]:
         "seed": cfg.seed, "max_model_len": engine.max_model_len,
         "prefix_caching": cfg.prefix_caching, "max_queue": max_queue,
     }  # fmt: skip
-    if cfg.speculative is not None:  # vLLM's JSON, without the fields left unset (no draft)
-        out["speculative_config"] = {k: v for k, v in dataclasses.asdict(cfg.speculative).items()
-                                     if v is not None}
+    if cfg.speculative is not None:  # vLLM's JSON
+        out["speculative_config"] = cfg.speculative.as_json()
     eos_prob = getattr(engine.model, "eos_prob", None)  # the stub's only setting
     if isinstance(eos_prob, float):
         out["stub_eos_prob"] = eos_prob

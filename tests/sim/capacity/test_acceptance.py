@@ -176,6 +176,22 @@ def test_capacity_plans_on_a_traces_recorded_tokens(
     assert main([*args, "--engine", 'speculative_config={"method": "ngram"}']) == 0
     report = json.loads((tmp_path / "plan.json").read_text())
     assert report["speculation"]["recorded_outputs"] is True
+    # Teeth: a trace whose r1 said a repeating pattern. Said back, every proposal after the
+    # first repeat is kept, so the plan runs fewer steps than on the stub's own tokens.
+    lines = trace.read_text().splitlines()
+    pattern = [2000, 2001, 2002] * 7
+    lines = [json.dumps({**json.loads(x), "token_ids": pattern[:20]})
+             if json.loads(x).get("expect") == "r1" else x for x in lines]
+    (tmp_path / "r1.jsonl").write_text("\n".join(lines) + "\n")
+    steps = {}
+    for how in ([], ["--acceptance", "recorded"]):
+        assert main(["capacity", str(tmp_path / "r1.jsonl"), "--cost", str(cost), "--quiet",
+                     "--no-plots", "--out", str(tmp_path / "p"), "--engine",
+                     'speculative_config={"method": "ngram"}', *how]) == 0
+        point = json.loads((tmp_path / "p.json").read_text())["points"][0]["mean"]
+        steps[bool(how)] = point["steps"]
+        assert point["finished"] == 3  # r4 hangs up after three frames
+    assert steps[True] < steps[False]
     # a load spec records no tokens
     assert main(["capacity", "--load", "n=4,rate=1,prompt=fixed:8,output=fixed:4", "--cost",
                  str(cost), "--quiet", "--no-plots", "--acceptance", "recorded", "--engine",
