@@ -1,5 +1,6 @@
 """`sim replay TRACE... [--model stub|smollm2|PATH] [--out RESULT] [--update] [--no-twin]
-[--cost FILE] [--tensor-parallel-size N]`: the command line of `sim.replay.run`.
+[--cost FILE] [--tensor-parallel-size N]`: the command line of `sim.replay.run`; with
+`--target URL [--scenarios] [--report FILE]`, of sim.target (the checks at another server).
 
 Each trace prints its mismatches, one line each (prefixed by the trace's path when several
 are given), or one summary line when it replays clean. Exit status: 0 when every trace is
@@ -20,6 +21,7 @@ from nanoserve import flags
 from nanoserve.model.base import ModelStartError
 from sim.files import atomic_open
 from sim.replay.run import ReplayError, ReplayResult, replay
+from sim.target import cli as target_cli
 from sim.trace.loader import TraceError, load_trace
 from sim.trace.write import write_trace
 
@@ -30,7 +32,7 @@ def add_parser(sub: Any) -> None:
         description="Replays each trace through nanoserve's own app in process, on the step "
         "(or virtual) clock, and checks its expectation lines, the invariants of "
         "docs/ARCHITECTURE.md and, unless --no-twin, the stream/unary twin.")
-    p.add_argument("traces", nargs="+", metavar="TRACE")
+    p.add_argument("traces", nargs="*", metavar="TRACE")
     p.add_argument("--model", default=None, metavar="stub|smollm2|PATH",
                    help="weights to replay on (default: the header's); on other weights "
                    "only the invariants and the twin are checked")
@@ -47,10 +49,19 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--cost", type=flags.input_file, metavar="FILE",
                    help="step-cost model for virtual-clock traces "
                    "(default: the header's cost_model, else a constant per step)")
+    target_cli.add_flags(p)
     p.set_defaults(main=_main)
 
 
 def _main(a: argparse.Namespace) -> int:
+    if a.target:
+        return target_cli.main(a)
+    if a.scenarios or a.report:
+        print("sim replay: --scenarios and --report go with --target", file=sys.stderr)
+        return 2
+    if not a.traces:
+        print("sim replay: give at least one trace", file=sys.stderr)
+        return 2
     if a.out and len(a.traces) != 1:
         print("sim replay: --out takes one trace", file=sys.stderr)
         return 2

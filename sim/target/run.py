@@ -1,0 +1,47 @@
+"""`sim replay --target URL [--scenarios] [TRACE...]`: the checks run at a server we do not
+control, gathered into one report.
+
+The built-in scenarios (checks.py, load.py) need no trace: stream against unary, UTF-8 in
+the frames, stop strings, usage, hang-ups, slow readers, bad input. Each trace adds its own
+checks (traces.py), named with the trace's file name. Checks run one after another, so that
+one check's load does not move another's figures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+
+from sim.target import checks, load, traces, wire
+from sim.target.outcome import Outcome, Report
+from sim.target.target import Target
+from sim.trace.format import Trace
+
+Check = Callable[[Target], Awaitable[Outcome]]
+
+SCENARIOS: tuple[Check, ...] = (
+    checks.stream_equals_unary, checks.utf8_frames, checks.stop_strings, checks.usage,
+    load.hangup_frees_slot, load.slow_readers, checks.bad_input,
+)
+
+
+async def run(url: str, named_traces: Sequence[tuple[Path, Trace]], *, scenarios: bool,
+              step_s: float = 0.05, settle_s: float = 10.0, phase_timeout_s: float = 120.0
+              ) -> Report:
+    url = url.rstrip("/")
+    async with wire.make_client() as cl:
+        t = Target(url, cl, "", settle_s=settle_s, phase_timeout_s=phase_timeout_s)
+        ident = await checks.identity(t)
+        t.model = str(ident.get("model") or "default")
+        report = Report(url, ident)
+        for check in SCENARIOS if scenarios else ():
+            report.outcomes.append(await check(t))
+        for path, trace in named_traces:
+            why = traces.unsupported(trace)
+            if why is not None:
+                report.outcomes.append(Outcome(f"trace {path.name}", "unsupported", why))
+                continue
+            for o in await traces.replay_at(t, trace, step_s):
+                report.outcomes.append(Outcome(f"{o.check} ({path.name})", o.status, o.detail,
+                                               o.evidence))
+        return report

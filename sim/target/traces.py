@@ -1,0 +1,131 @@
+"""A trace's client behaviour replayed at a server we do not control, and what a client can
+check of the answers.
+
+There is no step clock on the other side, so steps become seconds: a request `at_step` k is
+sent k * `step_s` after the start, a hang-up `at_step` k happens then, and a reader that
+takes a frame every n steps waits n * `step_s` after each. A virtual-clock trace's seconds
+are used as they are. Requests that stall their body (`send_body_bytes`) need a raw socket
+and a server body timeout; they are skipped and counted. Faults a header injects are
+nanoserve's own (wrappers around its model), so a trace with faults is refused.
+
+The checks:
+- no server errors: every request got an HTTP status under 500 and a whole answer, unless
+  its client hung up;
+- stream = unary: every deterministic request (temperature 0, or a seed) that ran to its
+  end is sent again with `stream` flipped, alone, and each choice's text must be the same;
+- hang-ups: where the trace hangs up and the server has a running-requests gauge, it is back
+  to 0 within settle_s of the last answer.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import trio
+
+from sim.target import answer, load
+from sim.target.outcome import Outcome, verdict
+from sim.target.target import Target
+from sim.target.wire import Seen
+from sim.trace.format import EverySeconds, EverySteps, Trace, TraceRequest
+
+
+def unsupported(trace: Trace) -> str | None:
+    """Why this trace cannot be replayed at another server; None where it can."""
+    if trace.header.faults:
+        return "it injects faults into nanoserve's own model (header `faults`)"
+    return None
+
+
+async def replay_at(t: Target, trace: Trace, step_s: float) -> list[Outcome]:
+    seen: dict[str, Seen] = {}
+    skipped = [r.id for r in trace.requests if r.client.send_body_bytes is not None]
+    async with trio.open_nursery() as nursery:
+        start = trio.current_time()
+        for req in trace.requests:
+            if req.id not in skipped:
+                nursery.start_soon(_one, t, req, start, step_s, seen)
+    label = f"{len(seen)} requests" + (f" ({len(skipped)} stalled-body skipped)"
+                                       if skipped else "")
+    out = [_no_server_errors(trace, seen, label), await _twins(t, trace, seen)]
+    if any(r.client.hangup_after_frames is not None or r.client.hangup_at_step is not None
+           for r in trace.requests):
+        out.append(await _hangups_settle(t))
+    return out
+
+
+async def _one(t: Target, req: TraceRequest, start: float, step_s: float,
+               seen: dict[str, Seen]) -> None:
+    at = req.at_s if req.at_s is not None else (req.at_step or 0) * step_s
+    await trio.sleep_until(start + at)
+    body: dict[str, Any] | bytes = req.raw_body if req.raw_body is not None else {
+        **req.body, "model": t.model}
+    c = req.client
+    pause = (c.read.n * step_s if isinstance(c.read, EverySteps)
+             else c.read.s if isinstance(c.read, EverySeconds) else 0.0)
+    hangup_at = (start + c.hangup_at_step * step_s if c.hangup_at_step is not None
+                 else math.inf)
+    result = Seen(req.path, body, hung_up=True)  # what stays if the hang-up comes first
+    with trio.move_on_at(hangup_at):
+        result = await t.send(req.path, body, hangup_after_frames=c.hangup_after_frames,
+                              pause_s=pause)
+    seen[req.id] = result
+
+
+def _no_server_errors(trace: Trace, seen: dict[str, Seen], label: str) -> Outcome:
+    failures = []
+    for req in trace.requests:
+        s = seen.get(req.id)
+        if s is None or s.hung_up:
+            continue
+        a = answer.read(s) if s.status == 200 else None
+        why = (f"the connection dropped ({s.dropped})" if s.dropped
+               else f"status {s.status}" if s.status is None or s.status >= 500
+               else f"an error frame: {a.error}" if a is not None and s.stream and a.error
+               else None)
+        if why:
+            failures.append({"id": req.id, "why": why, "request": s.evidence()})
+    return verdict("trace: no server errors", failures, f"{label}, none a 5xx or dropped",
+                   f"{len(failures)} of {len(seen)} requests failed on the server's side")
+
+
+def deterministic(body: dict[str, Any]) -> bool:
+    """Greedy, or sampled from a seed: the same answer streamed or not on any server that
+    honours seeds."""
+    return body.get("temperature") == 0 or isinstance(body.get("seed"), int)
+
+
+async def _twins(t: Target, trace: Trace, seen: dict[str, Seen]) -> Outcome:
+    failures = []
+    checked = 0
+    for req in trace.requests:
+        s = seen.get(req.id)
+        if (s is None or s.hung_up or s.status != 200 or req.raw_body is not None
+                or not deterministic(req.body)):
+            continue
+        twin = {**req.body, "model": t.model, "stream": not s.stream}
+        if twin["stream"]:
+            twin.pop("stream_options", None)
+        other = await t.send(req.path, twin)
+        checked += 1
+        a, b = answer.read(s), answer.read(other)
+        texts = {i: c.text for i, c in a.choices.items()}
+        twin_texts = {i: c.text for i, c in b.choices.items()}
+        if other.status != 200 or texts != twin_texts:
+            failures.append({"id": req.id, "streamed": s.stream, "texts": texts,
+                             "twin_status": other.status, "twin_texts": twin_texts})
+    return verdict("trace: stream = unary", failures,
+                   f"{checked} deterministic requests alike streamed and unary",
+                   f"{len(failures)} of {checked} deterministic requests differ")
+
+
+async def _hangups_settle(t: Target) -> Outcome:
+    name = "trace: hang-ups free their slots"
+    if await load.running(t) is None:
+        return Outcome(name, "unsupported", "no running-requests gauge (/metrics, /slots)")
+    took, values = await load.settle(t)
+    if took is None:
+        return Outcome(name, "fail", f"requests still running {t.settle_s} s after the "
+                       "trace's last answer", ({"running": values[-20:]},))
+    return Outcome(name, "pass", f"nothing running {took:.2f} s after the last answer")
