@@ -35,6 +35,9 @@ def add_flags(p: Any) -> None:
                    help="with --target: seconds a trace's step stands for [0.05]")
     g.add_argument("--settle", type=flags.positive_float, default=10.0, metavar="S",
                    help="with --target: seconds a hung-up request may stay running [10]")
+    g.add_argument("--slow-window", type=flags.positive_float, default=20.0, metavar="S",
+                   help="with --target: seconds fast streams run beside slow readers, and "
+                   "beside eager ones [20]")
 
 
 def main(a: argparse.Namespace) -> int:
@@ -50,7 +53,8 @@ def main(a: argparse.Namespace) -> int:
             return 2
     try:
         report = trio.run(lambda: run(a.target, named, scenarios=a.scenarios,
-                                      step_s=a.step_seconds, settle_s=a.settle))
+                                      step_s=a.step_seconds, settle_s=a.settle,
+                                      window_s=a.slow_window))
     except httpx.HTTPError as exc:
         print(f"sim replay: {a.target}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2

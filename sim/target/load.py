@@ -7,8 +7,12 @@ nanoserve's `*:num_requests_running` and llama.cpp's `llamacpp:requests_processi
 for the hang-up check.
 
 A slow reader here is a socket that sends its request and then reads nothing, with a small
-receive buffer, so that a server which waits on its writes is held up within a few hundred
-frames rather than after megabytes of buffering.
+receive buffer and a 536-byte segment size (TCP_MAXSEG, the smallest every stack takes). On
+loopback, where segments are 64 KB, the server's kernel would otherwise buffer about 3 MB
+for a reader that never reads (4 MB send buffers, measured on Linux 6); at 536 bytes it
+buffers about 135 KB, so a server that waits on its writes is held up after about a
+thousand frames. The fast side runs 64-token streams back to back for `window_s`, so that
+the slow readers' buffers fill while it is measured.
 """
 
 from __future__ import annotations
@@ -92,6 +96,7 @@ async def _slow_reader(t: Target, body: dict[str, Any], stop: trio.Event) -> Non
     parts = urlsplit(t.url)
     sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
     raw = json.dumps(body).encode()
     head = (f"POST {parts.path.rstrip('/')}{COMPLETIONS} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n")
@@ -109,26 +114,30 @@ async def _eager_reader(t: Target, body: dict[str, Any], stop: trio.Event) -> No
 
 
 async def _fast_beside(t: Target, slow: bool, n: int = 8) -> tuple[list[float] | None, Any]:
-    """Inter-token gaps of one stream run beside `n` long streams read slowly or eagerly;
-    None (and the evidence) where it did not finish within phase_timeout_s."""
+    """Inter-token gaps of 64-token streams run one after another for window_s beside `n`
+    long streams read slowly or eagerly; None (and the evidence) where one of them did not
+    finish within phase_timeout_s."""
     stop = trio.Event()
-    gaps: list[float] | None = None
-    evidence: Any = None
+    gaps: list[float] = []
     async with trio.open_nursery() as nursery:
         for _ in range(n):
             nursery.start_soon(_slow_reader if slow else _eager_reader, t, long_body(t), stop)
         await _started(t, n)
-        with trio.move_on_after(t.phase_timeout_s):
-            seen = await t.send(COMPLETIONS, t.body(COMPLETIONS, LONG_PROMPT, max_tokens=64,
-                                                    ignore_eos=True, stream=True))
-            evidence = seen.evidence()
+        end = trio.current_time() + t.window_s
+        while trio.current_time() < end:
+            seen = None
+            with trio.move_on_after(t.phase_timeout_s):
+                seen = await t.send(COMPLETIONS, t.body(
+                    COMPLETIONS, LONG_PROMPT, max_tokens=64, ignore_eos=True, stream=True))
+            if seen is None or not answer.read(seen).finish_reason():
+                stop.set()
+                return None, seen.evidence() if seen is not None else "no answer"
             times = [f.t for f in seen.frames
                      if any(answer.delta_text(c) for c in (f.obj or {}).get("choices") or [])]
-            if len(times) > 1 and answer.read(seen).finish_reason():
-                gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+            gaps += [b - a for a, b in zip(times, times[1:], strict=False)]
         stop.set()
     await settle(t)
-    return gaps, evidence
+    return gaps or None, None
 
 
 async def _started(t: Target, n: int) -> bool:
@@ -156,7 +165,7 @@ async def slow_readers(t: Target) -> Outcome:
                        f"finish within {t.phase_timeout_s} s")
     e50, e90 = percentile(eager, 50), percentile(eager, 90)
     if paced is None:
-        return Outcome(name, "fail", f"beside eight slow readers a 64-token stream did not "
+        return Outcome(name, "fail", "beside eight slow readers a 64-token stream did not "
                        f"finish within {t.phase_timeout_s} s (eager: ITL p50 {e50 * 1e3:.0f}"
                        " ms)", ({"fast_stream": evidence},))
     p50, p90 = percentile(paced, 50), percentile(paced, 90)

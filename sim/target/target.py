@@ -43,7 +43,8 @@ class Target:
     model: str
     max_tokens: int = 48
     settle_s: float = 10.0  # how long a hung-up request may stay in the running set
-    phase_timeout_s: float = 120.0  # the most a fast stream may take beside slow readers
+    phase_timeout_s: float = 60.0  # the most a fast stream may take beside slow readers
+    window_s: float = 20.0  # how long fast streams run beside slow (or eager) readers
     logprobs: bool = True  # the server answered a request with logprobs
     _pairs: list[Pair] | None = field(default=None, repr=False)
 

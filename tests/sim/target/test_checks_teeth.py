@@ -1,0 +1,104 @@
+"""Each check of `sim replay --target` against a toy server (tests/support/toy_server.py) on
+a real Hypercorn socket: sound, every check passes; with each fault, the check that looks
+for it fails, and shows the evidence.
+
+The toy says a fixed text cut into three-byte tokens, so every emoji and CJK character is
+split across tokens, as byte-level BPE splits them. Its ticks are 2 ms, so a check runs in
+well under a second; the settle and phase limits are shortened to match.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+import trio
+from support.toy_server import Toy
+
+from sim.http.loopback import hypercorn_on_loopback
+from sim.target import checks, load, wire
+from sim.target.outcome import Outcome
+from sim.target.run import Check
+from sim.target.target import Target
+
+
+@asynccontextmanager
+async def toy_target(*faults: str) -> AsyncIterator[Target]:
+    async with hypercorn_on_loopback(Toy(frozenset(faults))) as url, wire.make_client() as cl:
+        yield Target(url, cl, "toy", settle_s=2.0, phase_timeout_s=2.0, window_s=4.0)
+
+
+async def outcome(check: Check, *faults: str) -> Outcome:
+    async with toy_target(*faults) as t:
+        return await check(t)
+
+
+ALL: tuple[Check, ...] = (checks.stream_equals_unary, checks.utf8_frames, checks.stop_strings,
+                          checks.usage, load.hangup_frees_slot, load.slow_readers,
+                          checks.bad_input)
+
+
+async def test_a_sound_server_passes_every_check() -> None:
+    async with toy_target() as t:
+        results = [await c(t) for c in ALL]
+    assert [(o.check, o.status) for o in results] == [
+        ("stream = unary", "pass"), ("utf-8 frames", "pass"), ("stop strings", "pass"),
+        ("usage", "pass"), ("hang-up frees its slot", "pass"),
+        ("slow readers don't pace", "pass"), ("bad input", "pass")]
+    assert results[1].detail.startswith("10 frames") is False  # frames were counted
+    assert "non-ASCII" in results[1].detail
+
+
+@pytest.mark.parametrize(("fault", "check", "why"), [
+    ("split_char", checks.utf8_frames, "a character split"),
+    ("empty_frames", checks.utf8_frames, "an empty delta frame"),
+    ("stream_differs", checks.stream_equals_unary, "texts differ at character"),
+    ("stop_ignored", checks.stop_strings, None),
+    ("usage_wrong", checks.usage, "completion_tokens 49, 48 tokens streamed"),
+    ("error_500", checks.bad_input, "a server error (500)"),
+])
+async def test_each_fault_fails_its_check(fault: str, check: Check, why: str | None) -> None:
+    o = await outcome(check, fault)
+    assert o.status == "fail", o
+    assert o.evidence
+    if why is not None:
+        assert why in o.evidence[0]["why"]
+
+
+async def test_a_stop_string_a_stream_ignores_is_shown_with_what_came_back() -> None:
+    o = await outcome(checks.stop_strings, "stop_ignored")
+    # Two paths (completions, chat), the unary answers right, the streams not.
+    assert [(e["path"], e["stream"]) for e in o.evidence] == [
+        ("/v1/completions", True), ("/v1/chat/completions", True)]
+    for e in o.evidence:
+        assert e["finish_reason"] == "length"
+        assert e["got"].startswith(e["want"] + e["stop"])
+
+
+async def test_a_server_that_ignores_a_hang_up_fails_with_its_gauge() -> None:
+    o = await outcome(load.hangup_frees_slot, "ignore_hangup")
+    assert o.status == "fail"
+    assert o.detail == "still running 2.0 s after the client left"
+    assert set(o.evidence[0]["running"]) == {1}
+
+
+async def test_a_server_paced_by_slow_readers_fails() -> None:
+    o = await outcome(load.slow_readers, "pacing")
+    assert o.status == "fail"
+    assert o.detail.startswith("beside eight slow readers a 64-token stream did not finish")
+
+
+async def test_a_server_without_a_gauge_is_unsupported_for_hang_ups() -> None:
+    async with toy_target() as t:
+        t.url += "/nowhere"  # /metrics and /slots answer 404 there
+        o = await load.hangup_frees_slot(t)
+    assert (o.status, o.detail) == ("unsupported",
+                                    "no running-requests gauge (/metrics, /slots)")
+
+
+async def test_the_checks_run_on_trio_alone() -> None:
+    # The harness's own clock: nothing in it may need asyncio (the server's world is trio).
+    async with toy_target() as t:
+        with trio.fail_after(30):
+            assert (await checks.bad_input(t)).status == "pass"
