@@ -22,14 +22,13 @@ import json
 import os
 import re
 import subprocess
-import sys
-import threading
 from collections.abc import Iterator
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import pytest
+from support.serve_process import serving
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "tests" / "frameworks"
@@ -70,35 +69,11 @@ def client_env() -> dict[str, str]:
     return env
 
 
-def drain(stream: TextIO, log: list[str]) -> None:
-    # A full pipe would block the server's logging.
-    log.extend(stream)
-
-
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
     """`nanoserve serve --model stub` on a free port: its base URL once the engine is ready."""
-    cmd = [sys.executable, "-m", "nanoserve.cli", "serve", "--model", "stub", "--port", "0"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                            text=True)
-    assert proc.stderr is not None
-    log: list[str] = []
-    url = None
-    try:
-        for line in proc.stderr:
-            log.append(line)
-            m = re.search(r"listening on (http://\S+)", line)
-            url = m.group(1) if m else url
-            if url and "engine ready" in line:
-                break
-        else:
-            raise AssertionError("serve exited before it was ready:\n" + "".join(log))
-        threading.Thread(target=drain, args=(proc.stderr, log), daemon=True).start()
+    with serving(["--model", "stub"]) as url:
         yield f"{url}/v1"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-    assert not any("Traceback" in line for line in log), "".join(log)
 
 
 class Runs:
