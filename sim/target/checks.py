@@ -59,7 +59,7 @@ async def utf8_frames(t: Target) -> Outcome:
             piece = "".join(answer.delta_text(c) for c in (f.obj or {}).get("choices") or []
                             if isinstance(c, dict))
             wide += sum(ord(ch) > 127 for ch in piece)
-            why = _bad_piece(piece, unary_text) or _empty(f.obj)
+            why = bad_piece(piece, unary_text) or empty_frame(f.obj)
             if why:
                 failures.append({"prompt": p.prompt, "path": p.path, "why": why,
                                  "frame": f.data[:400], "unary": unary_text})
@@ -71,7 +71,7 @@ async def utf8_frames(t: Target) -> Outcome:
                    f"{len(failures)} of {frames} frames split a character or say nothing")
 
 
-def _bad_piece(piece: str, unary_text: str) -> str | None:
+def bad_piece(piece: str, unary_text: str) -> str | None:
     if FFFD in piece and FFFD not in unary_text:
         return "a delta has U+FFFD that the unary answer does not: a character split"
     if any(0xD800 <= ord(ch) <= 0xDFFF for ch in piece):
@@ -79,7 +79,7 @@ def _bad_piece(piece: str, unary_text: str) -> str | None:
     return None
 
 
-def _empty(obj: dict[str, Any] | None) -> str | None:
+def empty_frame(obj: dict[str, Any] | None) -> str | None:
     """A frame with no text, role, tool call, reasoning, logprobs, finish reason or usage."""
     if obj is None or obj.get("usage") or not obj.get("choices"):
         return None
@@ -184,12 +184,13 @@ def _usage_faults(t: Target, u: Answer, s: Answer, prompt_count: int | None) -> 
 
 async def _tokenize_count(t: Target, p: Pair) -> int | None:
     """The prompt's token count from /tokenize: vLLM's shape (nanoserve's too), else
-    llama.cpp's (`content`, special tokens asked for, as generation adds them)."""
+    llama.cpp's (`content`, special tokens asked for, as generation adds them). An empty
+    list for a prompt that is not empty is a shape the server did not read."""
     text = dict(PROMPTS)[p.prompt]
     for body in ({"model": t.model, "prompt": text}, {"content": text, "add_special": True}):
         seen = await t.send("/tokenize", body)
         obj = seen.json if isinstance(seen.json, dict) else {}
-        if seen.status == 200 and isinstance(obj.get("tokens"), list):
+        if seen.status == 200 and isinstance(obj.get("tokens"), list) and obj["tokens"]:
             return len(obj["tokens"])
     return None
 
@@ -253,6 +254,3 @@ def _first_difference(a: str, b: str) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
                 min(len(a), len(b)))
 
-
-__all__ = ["CHAT", "bad_input", "identity", "stop_strings", "stream_equals_unary", "usage",
-           "utf8_frames"]

@@ -35,9 +35,22 @@ def add_flags(p: Any) -> None:
                    help="with --target: seconds a trace's step stands for [0.05]")
     g.add_argument("--settle", type=flags.positive_float, default=10.0, metavar="S",
                    help="with --target: seconds a hung-up request may stay running [10]")
+    g.add_argument("--extra-body", type=_json_object, default={}, metavar="JSON",
+                   help="with --target: fields added to every generation request, e.g. "
+                   "'{\"cache_prompt\": false}' for llama-server")
     g.add_argument("--slow-window", type=flags.positive_float, default=20.0, metavar="S",
                    help="with --target: seconds fast streams run beside slow readers, and "
                    "beside eager ones [20]")
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return obj
 
 
 def main(a: argparse.Namespace) -> int:
@@ -54,7 +67,7 @@ def main(a: argparse.Namespace) -> int:
     try:
         report = trio.run(lambda: run(a.target, named, scenarios=a.scenarios,
                                       step_s=a.step_seconds, settle_s=a.settle,
-                                      window_s=a.slow_window))
+                                      window_s=a.slow_window, extra=a.extra_body))
     except httpx.HTTPError as exc:
         print(f"sim replay: {a.target}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2

@@ -46,6 +46,7 @@ class Target:
     phase_timeout_s: float = 60.0  # the most a fast stream may take beside slow readers
     window_s: float = 20.0  # how long fast streams run beside slow (or eager) readers
     logprobs: bool = True  # the server answered a request with logprobs
+    extra: dict[str, Any] = field(default_factory=dict)  # --extra-body, on every generation
     _pairs: list[Pair] | None = field(default=None, repr=False)
 
     def body(self, path: str, prompt: str, **extra: Any) -> dict[str, Any]:
@@ -57,6 +58,7 @@ class Target:
             out["prompt"] = prompt
         out.update({"max_tokens": self.max_tokens, "temperature": 0, "seed": 1234})
         out.update(extra)
+        out.update(self.extra)
         return out
 
     async def send(self, path: str, body: dict[str, Any] | bytes, **kw: Any) -> Seen:

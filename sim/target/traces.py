@@ -11,6 +11,7 @@ nanoserve's own (wrappers around its model), so a trace with faults is refused.
 The checks:
 - no server errors: every request got an HTTP status under 500 and a whole answer, unless
   its client hung up;
+- frames: no stream frame says nothing (checks.empty_frame) or holds a lone surrogate;
 - stream = unary: every deterministic request (temperature 0, or a seed) that ran to its
   end is sent again with `stream` flipped, alone, and each choice's text must be the same;
 - hang-ups: where the trace hangs up and the server has a running-requests gauge, it is back
@@ -24,7 +25,7 @@ from typing import Any
 
 import trio
 
-from sim.target import answer, load
+from sim.target import answer, checks, load
 from sim.target.outcome import Outcome, verdict
 from sim.target.target import Target
 from sim.target.wire import Seen
@@ -48,7 +49,8 @@ async def replay_at(t: Target, trace: Trace, step_s: float) -> list[Outcome]:
                 nursery.start_soon(_one, t, req, start, step_s, seen)
     label = f"{len(seen)} requests" + (f" ({len(skipped)} stalled-body skipped)"
                                        if skipped else "")
-    out = [_no_server_errors(trace, seen, label), await _twins(t, trace, seen)]
+    out = [_no_server_errors(trace, seen, label), _frames(seen),
+           await _twins(t, trace, seen)]
     if any(r.client.hangup_after_frames is not None or r.client.hangup_at_step is not None
            for r in trace.requests):
         out.append(await _hangups_settle(t))
@@ -60,7 +62,7 @@ async def _one(t: Target, req: TraceRequest, start: float, step_s: float,
     at = req.at_s if req.at_s is not None else (req.at_step or 0) * step_s
     await trio.sleep_until(start + at)
     body: dict[str, Any] | bytes = req.raw_body if req.raw_body is not None else {
-        **req.body, "model": t.model}
+        **req.body, "model": t.model, **t.extra}
     c = req.client
     pause = (c.read.n * step_s if isinstance(c.read, EverySteps)
              else c.read.s if isinstance(c.read, EverySeconds) else 0.0)
@@ -90,6 +92,23 @@ def _no_server_errors(trace: Trace, seen: dict[str, Seen], label: str) -> Outcom
                    f"{len(failures)} of {len(seen)} requests failed on the server's side")
 
 
+def _frames(seen: dict[str, Seen]) -> Outcome:
+    """No frame of the trace's streams says nothing or holds a lone surrogate (a split
+    character shows as U+FFFD, which the twins compare)."""
+    failures = []
+    n = 0
+    for rid, s in seen.items():
+        for f in s.frames:
+            n += 1
+            piece = "".join(answer.delta_text(c) for c in (f.obj or {}).get("choices") or []
+                            if isinstance(c, dict))
+            why = checks.empty_frame(f.obj) or checks.bad_piece(piece, "\ufffd")
+            if why:
+                failures.append({"id": rid, "why": why, "frame": f.data[:400]})
+    return verdict("trace: frames", failures, f"{n} frames, none empty or split",
+                   f"{len(failures)} of {n} frames empty or split")
+
+
 def deterministic(body: dict[str, Any]) -> bool:
     """Greedy, or sampled from a seed: the same answer streamed or not on any server that
     honours seeds."""
@@ -104,7 +123,7 @@ async def _twins(t: Target, trace: Trace, seen: dict[str, Seen]) -> Outcome:
         if (s is None or s.hung_up or s.status != 200 or req.raw_body is not None
                 or not deterministic(req.body)):
             continue
-        twin = {**req.body, "model": t.model, "stream": not s.stream}
+        twin = {**req.body, "model": t.model, **t.extra, "stream": not s.stream}
         if twin["stream"]:
             twin.pop("stream_options", None)
         other = await t.send(req.path, twin)

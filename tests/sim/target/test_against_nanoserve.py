@@ -34,11 +34,14 @@ def test_nanoserve_passes_every_check(tmp_path: Path) -> None:
         ("usage", "pass"), ("hang-up frees its slot", "pass"),
         ("slow readers don't pace", "pass"), ("bad input", "pass"),
         ("trace: no server errors (hangups.jsonl)", "pass"),
+        ("trace: frames (hangups.jsonl)", "pass"),
         ("trace: stream = unary (hangups.jsonl)", "pass"),
         ("trace: hang-ups free their slots (hangups.jsonl)", "pass"),
         ("trace: no server errors (unicode.jsonl)", "pass"),
+        ("trace: frames (unicode.jsonl)", "pass"),
         ("trace: stream = unary (unicode.jsonl)", "pass"),
         ("trace: no server errors (stop_strings.jsonl)", "pass"),
+        ("trace: frames (stop_strings.jsonl)", "pass"),
         ("trace: stream = unary (stop_strings.jsonl)", "pass")]
     assert code == 0
     assert got["identity"] == {"model": "stub", "server": "hypercorn-h11"}
