@@ -4,6 +4,7 @@
   sim load --out TRACE ...        a synthetic virtual-clock trace (--load SPEC and/or flags)
   sim bench --url URL ...         an online load client for any OpenAI-compatible server
   sim replay TRACE ...            replay recorded traces through the real app and check them
+  sim replay --target URL ...     check what a client sees of any OpenAI-compatible server
   sim capacity, profile, validate capacity planning: sweeps, the cost model, its check
   sim soak ...                    hang-up storms and slow readers against a live server
 

@@ -4,6 +4,8 @@
     http_harness.py     the in-process ASGI client over the stub app
     server_harness.py   the stub app and its settings
     stub_server.py      the stub behind a real Hypercorn, in a process of its own
+    serve_process.py    `nanoserve serve` in a process of its own, on a free port
+    toy_server.py       a small OpenAI-compatible server with faults to order (replay --target)
     fault_harness.py    the fault tests' helpers
     reference.py        the Hugging Face reference runs
     native_check.py     whether the native kernels must build here
