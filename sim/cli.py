@@ -5,6 +5,7 @@
   sim bench --url URL ...         an online load client for any OpenAI-compatible server
   sim replay TRACE ...            replay recorded traces through the real app and check them
   sim replay --target URL ...     check what a client sees of any OpenAI-compatible server
+  sim record --upstream URL ...   a recording proxy in front of any such server
   sim capacity, profile, validate capacity planning: sweeps, the cost model, its check
   sim soak ...                    hang-up storms and slow readers against a live server
 
@@ -31,6 +32,7 @@ from sim.load import spec as load_spec
 from sim.load.azure import convert_azure, read_azure_csv
 from sim.load.spec import load_spec_from_pairs, split_load_spec
 from sim.load.synthetic import generate_load
+from sim.record import proxy_cli
 from sim.replay import cli as replay_cli
 from sim.soak import run as soak
 from sim.trace.write import write_trace
@@ -51,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_load(sub)
     bench_cli.add_parser(sub)
     replay_cli.add_parser(sub)
+    proxy_cli.add_parser(sub)
     capacity_cli.add_parser(sub)
     profile.add_parser(sub)
     validate.add_parser(sub)

@@ -1,0 +1,76 @@
+"""`sim record --upstream URL --out TRACE [--host H] [--port P] [--engine KEY=VALUE ...]`:
+the recording proxy (upstream.py) on a Hypercorn socket, until SIGINT or SIGTERM; then the
+trace is written. Exit status 0, or 2 when the upstream cannot be reached at the start or
+the trace cannot be written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from typing import Any
+
+import httpx
+import trio
+
+from nanoserve import flags
+from sim.cli_util import engine_overrides
+from sim.http.loopback import hypercorn_on_loopback
+from sim.load.azure import ConvertError, default_engine
+from sim.record.upstream import Proxy
+from sim.target.wire import parse_json
+from sim.trace.write import write_trace
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "record", help="a recording proxy in front of any OpenAI-compatible server",
+        description="Forwards every request to --upstream unchanged and writes the "
+        "generation requests (arrivals, bodies, hang-ups, slow readers, the answers) as a "
+        "virtual-clock trace when stopped (SIGINT or SIGTERM).")
+    p.add_argument("--upstream", required=True, metavar="URL")
+    p.add_argument("--out", required=True, type=flags.output_file, metavar="TRACE")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8001, help="0: a free port [8001]")
+    p.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
+                   help="the header's engine settings (default: EngineConfig's)")
+    p.set_defaults(main=_main)
+
+
+def _main(a: argparse.Namespace) -> int:
+    try:
+        engine = default_engine(engine_overrides(a.engine))
+    except (ValueError, ConvertError) as exc:
+        print(f"sim record: {exc}", file=sys.stderr)
+        return 2
+    return trio.run(_run, a, engine)
+
+
+async def _run(a: argparse.Namespace, engine: dict[str, Any]) -> int:
+    upstream = a.upstream.rstrip("/")
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0),
+                                 limits=httpx.Limits(max_connections=None)) as client:
+        try:
+            r = await client.get(upstream + "/v1/models")
+        except httpx.HTTPError as exc:
+            print(f"sim record: {upstream}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 2
+        obj = parse_json(r.content)
+        data = obj.get("data") if isinstance(obj, dict) else None
+        model = str(data[0].get("id")) if isinstance(data, list) and data else "default"
+        proxy = Proxy(upstream, client)
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with hypercorn_on_loopback(proxy, bind=[f"{a.host}:{a.port}"]) as url:
+                print(f"sim record: listening on {url}, forwarding to {upstream}",
+                      file=sys.stderr, flush=True)
+                async for _ in signals:
+                    break
+    note = f"recorded by sim record --upstream {upstream}"
+    try:
+        write_trace(proxy.trace(model, engine, note), a.out)
+    except OSError as exc:
+        print(f"sim record: {a.out}: {exc}", file=sys.stderr)
+        return 2
+    print(f"sim record: {len(proxy.exchanges)} requests written to {a.out}", file=sys.stderr)
+    return 0

@@ -1,0 +1,230 @@
+"""`sim record --upstream URL --out TRACE`: a recording proxy in front of any
+OpenAI-compatible server.
+
+Every request is forwarded as it came (method, path, query, headers but the hop-by-hop
+ones, the body's bytes), and every answer as it comes: the upstream's raw bytes go to the
+client chunk by chunk as they arrive (`aiter_raw`, so not even a gzip is undone), with no
+buffering a client could notice. A client that hangs up closes the upstream stream at once,
+so the upstream sees the hang-up too.
+
+The generation routes are recorded as a virtual-clock trace (sim/trace/format.py), the
+only clock a proxy can see:
+
+- `at_s`: seconds from the first request's arrival to this one's;
+- `client.hangup_after_frames`: the SSE frames the client had been sent when it left;
+- `client.read: {"every_s": S}`: a slow reader, one whose socket took at least one frame
+  more than `SLOW_S` late (the median interval between its frames);
+- the expectation: what the client read, parsed as `serve --record` parses it (wire.py):
+  the status, an error's code, each choice's text and finish_reason, a stream's frames, and
+  the usage's completion_tokens where the upstream gave usage.
+
+The header's engine settings are EngineConfig's defaults (or `--engine` overrides), since a
+proxy cannot see the upstream's: a `sim replay` of the trace on nanoserve checks the texts,
+and `sim replay --target` repeats the clients' behaviour at any server. The trace is written
+when the proxy stops (SIGINT or SIGTERM), in arrival order.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import trio
+
+from sim.http.sse import SseParser
+from sim.record.wire import parse_wire
+from sim.target.wire import parse_json
+from sim.trace.format import (
+    PATHS,
+    ClientSpec,
+    EverySeconds,
+    Expectation,
+    Trace,
+    TraceHeader,
+    TraceRequest,
+)
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+# RFC 9110's connection-specific fields, and the framing each side sets for itself.
+HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer",
+                        b"transfer-encoding", b"upgrade", b"host", b"content-length"})
+SLOW_S = 0.05  # a send to the client that took this long means its socket was full
+
+
+@dataclass
+class Exchange:
+    at_s: float
+    path: str
+    body: bytes
+    status: int | None = None
+    chunks: list[bytes] = field(default_factory=list)
+    frames: int = 0  # SSE frames the client was sent
+    slow_gaps: list[float] = field(default_factory=list)  # sends that waited on the client
+    frame_times: list[float] = field(default_factory=list)
+    hung_up: bool = False
+    complete: bool = False  # the client was sent the whole answer
+
+
+class Proxy:
+    def __init__(self, upstream: str, client: httpx.AsyncClient) -> None:
+        self.upstream = upstream.rstrip("/")
+        self.client = client
+        self.exchanges: list[Exchange] = []
+        self._t0: float | None = None
+
+    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while (msg := await receive())["type"] != "lifespan.shutdown":
+                await send({"type": msg["type"] + ".complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        if scope["type"] != "http":
+            return
+        now = trio.current_time()
+        self._t0 = now if self._t0 is None else self._t0
+        body, gone = await _read_body(receive)
+        if gone:
+            return
+        ex = Exchange(now - self._t0, scope["path"], body)
+        if scope["method"] == "POST" and scope["path"] in PATHS:
+            self.exchanges.append(ex)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope, ex)
+            await self._forward(scope, ex, send)
+            nursery.cancel_scope.cancel()
+
+    async def _forward(self, scope: dict[str, Any], ex: Exchange, send: Send) -> None:
+        url = self.upstream + scope["path"]
+        if scope.get("query_string"):
+            url += "?" + scope["query_string"].decode("latin-1")
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in HOP_BY_HOP]
+        req = self.client.build_request(scope["method"], url, headers=headers, content=ex.body)
+        try:
+            resp = await self.client.send(req, stream=True)
+        except httpx.HTTPError as exc:
+            ex.status = 502
+            await _plain(send, 502, f"upstream {self.upstream}: {type(exc).__name__}: {exc}")
+            return
+        try:
+            ex.status = resp.status_code
+            await send({"type": "http.response.start", "status": resp.status_code,
+                        "headers": [(k, v) for k, v in resp.headers.raw
+                                    if k.lower() not in HOP_BY_HOP]})
+            parser = SseParser()
+            length = resp.headers.get("content-length")
+            sent = 0
+            async for chunk in resp.aiter_raw():
+                events = parser.feed(chunk)
+                # Complete before the send returns: a client that has all of it may close
+                # at once, and that is no hang-up.
+                sent += len(chunk)
+                ex.complete = any(e.strip() == "[DONE]" for e in events) or (
+                    length is not None and sent >= int(length))
+                start = trio.current_time()
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                took = trio.current_time() - start
+                ex.chunks.append(chunk)
+                ex.frames += len(events)
+                ex.frame_times.append(start)
+                if took >= SLOW_S:
+                    ex.slow_gaps.append(took)
+            ex.complete = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await resp.aclose()
+
+    def trace(self, model: str, engine: Mapping[str, Any], note: str) -> Trace:
+        requests, expectations = [], []
+        for i, ex in enumerate(self.exchanges, start=1):
+            rid = f"r{i}"
+            requests.append(_request_line(rid, ex))
+            if not ex.hung_up and ex.status is not None:
+                expectations.append(Expectation(rid, _expected(ex)))
+        return Trace(TraceHeader("virtual", model, dict(engine), note=note),
+                     tuple(requests), tuple(expectations))
+
+
+def _request_line(rid: str, ex: Exchange) -> TraceRequest:
+    obj = parse_json(ex.body)
+    client = ClientSpec(
+        read=(EverySeconds(round(statistics.median(_intervals(ex)), 3))
+              if ex.slow_gaps else "eager"),
+        hangup_after_frames=ex.frames if ex.hung_up else None)
+    if isinstance(obj, dict):
+        return TraceRequest(rid, ex.path, obj, client, at_s=round(ex.at_s, 4))
+    return TraceRequest(rid, ex.path, {}, client, at_s=round(ex.at_s, 4), raw_body=ex.body)
+
+
+def _intervals(ex: Exchange) -> list[float]:
+    gaps = [b - a for a, b in zip(ex.frame_times, ex.frame_times[1:], strict=False)]
+    return gaps or [SLOW_S]
+
+
+def _expected(ex: Exchange) -> dict[str, Any]:
+    """What the client read (wire.py, as `serve --record` reads it): the status, an error's
+    code, each choice's text and finish_reason, a stream's frames, and completion_tokens
+    where the upstream gave usage."""
+    raw = b"".join(ex.chunks)
+    body = parse_json(ex.body)
+    stream = isinstance(body, dict) and body.get("stream") is True
+    wire = parse_wire(ex.status, raw, stream)
+    fields: dict[str, Any] = {"status": ex.status}
+    if wire.error is not None:
+        fields["error"] = wire.error
+    if ex.status != 200:
+        return fields
+    if len(wire.texts) > 1:
+        fields["choices"] = [{"text": wire.text(i), "finish_reason": wire.finish_reason(i)}
+                             for i in sorted(wire.texts)]
+    else:
+        fields.update(text=wire.text(0), finish_reason=wire.finish_reason(0))
+    if wire.stream:
+        fields["frames"] = wire.frames
+    usage = _usage(raw, wire.stream)
+    if isinstance(usage.get("completion_tokens"), int):
+        fields["completion_tokens"] = usage["completion_tokens"]
+    return fields
+
+
+def _usage(raw: bytes, stream: bool) -> dict[str, Any]:
+    """The answer's usage: the unary body's, or the last stream frame's that has one."""
+    if not stream:
+        obj = parse_json(raw)
+        usage = obj.get("usage") if isinstance(obj, dict) else None
+        return usage if isinstance(usage, dict) else {}
+    parser = SseParser()
+    for event in reversed(parser.feed(raw) + parser.close()):
+        obj = parse_json(event.encode())
+        if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
+            return dict(obj["usage"])
+    return {}
+
+
+async def _read_body(receive: Receive) -> tuple[bytes, bool]:
+    """The request's body; True where the client left before sending all of it."""
+    parts: list[bytes] = []
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return b"".join(parts), True
+        parts.append(msg.get("body", b""))
+        if not msg.get("more_body"):
+            return b"".join(parts), False
+
+
+async def _cancel_on_disconnect(receive: Receive, scope: trio.CancelScope,
+                                ex: Exchange) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    ex.hung_up = not ex.complete
+    scope.cancel()
+
+
+async def _plain(send: Send, status: int, text: str) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"text/plain; charset=utf-8")]})
+    await send({"type": "http.response.body", "body": text.encode(), "more_body": False})
