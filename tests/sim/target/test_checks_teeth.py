@@ -17,10 +17,11 @@ import trio
 from support.toy_server import Toy
 
 from sim.http.loopback import hypercorn_on_loopback
-from sim.target import checks, load, wire
+from sim.target import checks, load, traces, wire
 from sim.target.outcome import Outcome
 from sim.target.run import Check
 from sim.target.target import Target
+from sim.trace.format import ClientSpec, Trace, TraceHeader, TraceRequest
 
 
 @asynccontextmanager
@@ -102,3 +103,35 @@ async def test_the_checks_run_on_trio_alone() -> None:
     async with toy_target() as t:
         with trio.fail_after(30):
             assert (await checks.bad_input(t)).status == "pass"
+
+
+def toy_trace(*bodies: dict[str, object], hangup_after: int | None = None) -> Trace:
+    """Greedy requests on the toy at step 0, the last one hung up after `hangup_after`
+    frames where given."""
+    reqs = []
+    for i, body in enumerate(bodies, start=1):
+        last = i == len(bodies)
+        client = ClientSpec(hangup_after_frames=hangup_after if last else None)
+        reqs.append(TraceRequest(f"r{i}", "/v1/completions", {"model": "toy", **body},
+                                 client, at_step=0))
+    return Trace(TraceHeader("step", "toy", {}), tuple(reqs))
+
+
+GREEDY = {"prompt": "東京 café", "max_tokens": 30, "temperature": 0}
+
+
+@pytest.mark.parametrize(("fault", "check", "trace"), [
+    ("", None, toy_trace(GREEDY, {**GREEDY, "stream": True})),
+    ("", None, toy_trace({**GREEDY, "max_tokens": 2000, "stream": True}, hangup_after=3)),
+    ("stream_differs", "trace: stream = unary", toy_trace(GREEDY, {**GREEDY, "stream": True})),
+    ("empty_frames", "trace: frames", toy_trace({**GREEDY, "stream": True})),
+    ("error_500", "trace: no server errors", toy_trace(GREEDY, {"prompt": 5})),
+    ("ignore_hangup", "trace: hang-ups free their slots",
+     toy_trace({**GREEDY, "max_tokens": 2000, "stream": True}, hangup_after=3)),
+])
+async def test_each_trace_check_fails_on_its_fault(fault: str, check: str | None,
+                                                  trace: Trace) -> None:
+    async with toy_target(*([fault] if fault else [])) as t:
+        outcomes = await traces.replay_at(t, trace, step_s=0.01)
+    failed = [o.check for o in outcomes if o.status == "fail"]
+    assert failed == ([check] if check else []), outcomes
