@@ -38,6 +38,10 @@ def add_flags(p: Any) -> None:
     g.add_argument("--extra-body", type=_json_object, default={}, metavar="JSON",
                    help="with --target: fields added to every generation request, e.g. "
                    "'{\"cache_prompt\": false}' for llama-server")
+    g.add_argument("--slots", type=flags.positive_int, metavar="N",
+                   help="with --target: requests the server runs at once; where it exports "
+                   "no running-requests gauge, the hang-up check fills N slots and times a "
+                   "request queued behind them")
     g.add_argument("--slow-window", type=flags.positive_float, default=20.0, metavar="S",
                    help="with --target: seconds fast streams run beside slow readers, and "
                    "beside eager ones [20]")
@@ -67,7 +71,8 @@ def main(a: argparse.Namespace) -> int:
     try:
         report = trio.run(lambda: run(a.target, named, scenarios=a.scenarios,
                                       step_s=a.step_seconds, settle_s=a.settle,
-                                      window_s=a.slow_window, extra=a.extra_body))
+                                      window_s=a.slow_window, extra=a.extra_body,
+                                      slots=a.slots))
     except httpx.HTTPError as exc:
         print(f"sim replay: {a.target}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2

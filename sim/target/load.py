@@ -74,7 +74,10 @@ async def hangup_frees_slot(t: Target) -> Outcome:
     gauge is back to 0 within settle_s."""
     name = "hang-up frees its slot"
     if await running(t) is None:
-        return Outcome(name, "unsupported", "no running-requests gauge (/metrics, /slots)")
+        if t.slots is None:
+            return Outcome(name, "unsupported", "no running-requests gauge (/metrics, /slots); "
+                           "--slots N measures by queueing instead")
+        return await _hangups_by_queueing(t, name, t.slots)
     if (await settle(t))[0] is None:
         return Outcome(name, "unsupported", f"the server was not idle within {t.settle_s} s")
     stop = trio.Event()
@@ -89,6 +92,52 @@ async def hangup_frees_slot(t: Target) -> Outcome:
         return Outcome(name, "fail", f"still running {t.settle_s} s after the client left",
                        ({"request": long_body(t), "running": values[-20:]},))
     return Outcome(name, "pass", f"the running gauge back to 0 {took:.2f} s after the hang-up")
+
+
+async def _hangups_by_queueing(t: Target, name: str, slots: int) -> Outcome:
+    """Without a gauge: fill the server's `slots` with long streams, hang them all up, and
+    time a one-token request sent just after. A server that frees the slots starts it at
+    once; one that keeps generating starts it only when the long streams end."""
+    short = t.body(COMPLETIONS, "Hello", max_tokens=1, stream=True)
+    alone = await _first_frame_s(t, short)
+    if alone is None:
+        return Outcome(name, "unsupported", "a one-token stream got no frame")
+    started = [trio.Event() for _ in range(slots)]
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        for ev in started:
+            nursery.start_soon(_held, t, long_body(t), ev, stop)
+        with trio.move_on_after(t.settle_s):
+            for ev in started:
+                await ev.wait()
+        stop.set()  # every long stream hangs up
+    behind = None
+    with trio.move_on_after(t.settle_s):
+        behind = await _first_frame_s(t, short)
+    if behind is None:
+        return Outcome(name, "fail", f"a request sent after {slots} hang-ups did not start "
+                       f"within {t.settle_s} s (alone: {alone:.2f} s)",
+                       ({"request": long_body(t), "slots": slots},))
+    return Outcome(name, "pass", f"a request sent after {slots} hang-ups started in "
+                   f"{behind:.2f} s ({alone:.2f} s alone; no gauge, --slots {slots})")
+
+
+async def _first_frame_s(t: Target, body: dict[str, Any]) -> float | None:
+    seen = await t.send(COMPLETIONS, body, hangup_after_frames=1)
+    return seen.frames[0].t if seen.status == 200 and seen.frames else None
+
+
+async def _held(t: Target, body: dict[str, Any], started: trio.Event, stop: trio.Event) -> None:
+    """A long stream read eagerly; `started` once its first bytes arrive; closed at `stop`."""
+    async def read() -> None:
+        async with t.client.stream("POST", t.url + COMPLETIONS, json=body) as resp:
+            async for _ in resp.aiter_bytes():
+                started.set()
+
+    async with trio.open_nursery() as inner:
+        inner.start_soon(read)
+        await stop.wait()
+        inner.cancel_scope.cancel()
 
 
 async def _slow_reader(t: Target, body: dict[str, Any], stop: trio.Event) -> None:

@@ -84,14 +84,18 @@ def _pieces(toks: list[bytes], length: int) -> list[str]:
 
 
 class Toy:
-    def __init__(self, faults: frozenset[str] = frozenset(), tick: float = 0.002) -> None:
+    def __init__(self, faults: frozenset[str] = frozenset(), tick: float = 0.002,
+                 slots: int | None = None, metrics: bool = True) -> None:
+        """`slots`: requests that run at once (others wait); `metrics`: serve /metrics."""
         unknown = faults - FAULTS
         if unknown:
             raise ValueError(f"unknown faults {sorted(unknown)}")
         self.faults = faults
         self.tick = tick
         self.running = 0
+        self.metrics = metrics
         self._lock = trio.Lock()
+        self._slots = trio.Semaphore(slots) if slots is not None else None
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -109,7 +113,7 @@ class Toy:
         try:
             if route == ("GET", "/v1/models"):
                 await _json(send, 200, {"object": "list", "data": [{"id": "toy"}]})
-            elif route == ("GET", "/metrics"):
+            elif route == ("GET", "/metrics") and self.metrics:
                 await _text(send, f"toy:num_requests_running {self.running}\n")
             elif route == ("POST", "/tokenize"):
                 body = _object(raw)
@@ -141,6 +145,8 @@ class Toy:
         usage = {"prompt_tokens": len(tokens_of(prompt)),
                  "completion_tokens": len(p.tokens) + ("usage_wrong" in self.faults)}
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        if self._slots is not None:
+            await self._slots.acquire()
         self.running += 1
         try:
             async with trio.open_nursery() as nursery:
@@ -154,6 +160,8 @@ class Toy:
                 nursery.cancel_scope.cancel()
         finally:
             self.running -= 1
+            if self._slots is not None:
+                self._slots.release()
 
     async def _stream(self, send: Send, chat: bool, body: dict[str, Any], p: Plan,
                       usage: dict[str, int]) -> None:

@@ -94,8 +94,8 @@ async def test_a_server_without_a_gauge_is_unsupported_for_hang_ups() -> None:
     async with toy_target() as t:
         t.url += "/nowhere"  # /metrics and /slots answer 404 there
         o = await load.hangup_frees_slot(t)
-    assert (o.status, o.detail) == ("unsupported",
-                                    "no running-requests gauge (/metrics, /slots)")
+    assert (o.status, o.detail) == ("unsupported", "no running-requests gauge (/metrics, "
+                                    "/slots); --slots N measures by queueing instead")
 
 
 async def test_the_checks_run_on_trio_alone() -> None:
@@ -135,3 +135,14 @@ async def test_each_trace_check_fails_on_its_fault(fault: str, check: str | None
         outcomes = await traces.replay_at(t, trace, step_s=0.01)
     failed = [o.check for o in outcomes if o.status == "fail"]
     assert failed == ([check] if check else []), outcomes
+
+
+@pytest.mark.parametrize(("faults", "status"), [((), "pass"), (("ignore_hangup",), "fail")])
+async def test_without_a_gauge_a_hang_up_is_timed_by_a_queued_request(
+        faults: tuple[str, ...], status: str) -> None:
+    app = Toy(frozenset(faults), slots=2, metrics=False)
+    async with hypercorn_on_loopback(app) as url, wire.make_client() as cl:
+        t = Target(url, cl, "toy", settle_s=2.0, slots=2)
+        o = await load.hangup_frees_slot(t)
+    assert o.status == status, o
+    assert o.detail.startswith("a request sent after 2 hang-ups")
