@@ -30,24 +30,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 async def upstream(scope: dict[str, Any], receive: Any, send: Any) -> None:
     """Streams `frames` frames, each with the time it was sent, `every_ms` apart."""
+    from sim.http import raw_asgi
+
     if scope["type"] == "lifespan":
-        while (msg := await receive())["type"] != "lifespan.shutdown":
-            await send({"type": msg["type"] + ".complete"})
-        await send({"type": "lifespan.shutdown.complete"})
+        await raw_asgi.lifespan(receive, send)
         return
     if scope["path"] == "/v1/models":
-        body = json.dumps({"data": [{"id": "clock"}]}).encode()
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"application/json")]})
-        await send({"type": "http.response.body", "body": body})
+        await raw_asgi.respond_json(send, 200, {"data": [{"id": "clock"}]})
         return
-    raw = b""
-    while True:
-        msg = await receive()
-        raw += msg.get("body", b"")
-        if not msg.get("more_body"):
-            break
-    req = json.loads(raw)
+    req = json.loads((await raw_asgi.read_body(receive))[0])
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"text/event-stream")]})
     for _ in range(req["max_tokens"]):

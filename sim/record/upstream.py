@@ -27,13 +27,15 @@ when the proxy stops (SIGINT or SIGTERM), in arrival order.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import trio
 
+from sim.http import raw_asgi
+from sim.http.raw_asgi import Receive, Send
 from sim.http.sse import SseParser
 from sim.record.wire import parse_wire
 from sim.target.wire import parse_json
@@ -47,8 +49,6 @@ from sim.trace.format import (
     TraceRequest,
 )
 
-Send = Callable[[dict[str, Any]], Awaitable[None]]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
 # RFC 9110's connection-specific fields, and the framing each side sets for itself.
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer",
                         b"transfer-encoding", b"upgrade", b"host", b"content-length"})
@@ -78,15 +78,13 @@ class Proxy:
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            while (msg := await receive())["type"] != "lifespan.shutdown":
-                await send({"type": msg["type"] + ".complete"})
-            await send({"type": "lifespan.shutdown.complete"})
+            await raw_asgi.lifespan(receive, send)
             return
         if scope["type"] != "http":
             return
         now = trio.current_time()
         self._t0 = now if self._t0 is None else self._t0
-        body, gone = await _read_body(receive)
+        body, gone = await raw_asgi.read_body(receive)
         if gone:
             return
         ex = Exchange(now - self._t0, scope["path"], body)
@@ -107,7 +105,8 @@ class Proxy:
             resp = await self.client.send(req, stream=True)
         except httpx.HTTPError as exc:
             ex.status = 502
-            await _plain(send, 502, f"upstream {self.upstream}: {type(exc).__name__}: {exc}")
+            await raw_asgi.respond(send, 502, b"text/plain; charset=utf-8", f"upstream "
+                                   f"{self.upstream}: {type(exc).__name__}: {exc}".encode())
             return
         try:
             ex.status = resp.status_code
@@ -204,27 +203,9 @@ def _usage(raw: bytes, stream: bool) -> dict[str, Any]:
     return {}
 
 
-async def _read_body(receive: Receive) -> tuple[bytes, bool]:
-    """The request's body; True where the client left before sending all of it."""
-    parts: list[bytes] = []
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            return b"".join(parts), True
-        parts.append(msg.get("body", b""))
-        if not msg.get("more_body"):
-            return b"".join(parts), False
-
-
 async def _cancel_on_disconnect(receive: Receive, scope: trio.CancelScope,
                                 ex: Exchange) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
     ex.hung_up = not ex.complete
     scope.cancel()
-
-
-async def _plain(send: Send, status: int, text: str) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"text/plain; charset=utf-8")]})
-    await send({"type": "http.response.body", "body": text.encode(), "more_body": False})

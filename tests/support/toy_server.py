@@ -22,18 +22,18 @@ from __future__ import annotations
 
 import codecs
 import json
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import trio
 
+from sim.http import raw_asgi
+from sim.http.raw_asgi import Receive, Send
+
 CORPUS = ("Hello 🎉 world, 東京 café crème 👨‍👩‍👧 안녕하세요 the quick brown fox jumps over "
           "the lazy dog. ") * 40
 FAULTS = frozenset({"split_char", "empty_frames", "stream_differs", "stop_ignored",
                     "usage_wrong", "error_500", "ignore_hangup", "pacing"})
-Send = Callable[[dict[str, Any]], Awaitable[None]]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
 
 
 def tokens_of(text: str) -> list[bytes]:
@@ -99,32 +99,28 @@ class Toy:
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            while (msg := await receive())["type"] != "lifespan.shutdown":
-                await send({"type": msg["type"] + ".complete"})
-            await send({"type": "lifespan.shutdown.complete"})
+            await raw_asgi.lifespan(receive, send)
             return
-        raw = b""
-        while True:
-            msg = await receive()
-            raw += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
+        raw, _ = await raw_asgi.read_body(receive)
         route = (scope["method"], scope["path"])
         try:
             if route == ("GET", "/v1/models"):
-                await _json(send, 200, {"object": "list", "data": [{"id": "toy"}]})
+                models = {"object": "list", "data": [{"id": "toy"}]}
+                await raw_asgi.respond_json(send, 200, models)
             elif route == ("GET", "/metrics") and self.metrics:
-                await _text(send, f"toy:num_requests_running {self.running}\n")
+                await raw_asgi.respond(send, 200, b"text/plain",
+                                       f"toy:num_requests_running {self.running}\n".encode())
             elif route == ("POST", "/tokenize"):
                 body = _object(raw)
-                await _json(send, 200, {"tokens": list(range(len(tokens_of(body["prompt"]))))})
+                ids = list(range(len(tokens_of(body["prompt"]))))
+                await raw_asgi.respond_json(send, 200, {"tokens": ids})
             elif route[0] == "POST" and route[1] in ("/v1/completions", "/v1/chat/completions"):
                 await self._generate(route[1], _object(raw), receive, send)
             else:
-                await _json(send, 404, _error("no such route"))
+                await raw_asgi.respond_json(send, 404, _error("no such route"))
         except BadRequest as exc:
             status = 500 if "error_500" in self.faults else 400
-            await _json(send, status, _error(str(exc), exc.param))
+            await raw_asgi.respond_json(send, status, _error(str(exc), exc.param))
 
     async def _generate(self, path: str, body: dict[str, Any], receive: Receive,
                         send: Send) -> None:
@@ -156,7 +152,7 @@ class Toy:
                     await self._stream(send, chat, body, p, usage)
                 else:
                     await trio.sleep(self.tick * len(p.tokens))
-                    await _json(send, 200, _unary(chat, body, p, usage))
+                    await raw_asgi.respond_json(send, 200, _unary(chat, body, p, usage))
                 nursery.cancel_scope.cancel()
         finally:
             self.running -= 1
@@ -260,15 +256,3 @@ async def _cancel_on_disconnect(receive: Receive, scope: trio.CancelScope) -> No
     scope.cancel()
 
 
-async def _json(send: Send, status: int, obj: dict[str, Any]) -> None:
-    await _respond(send, status, b"application/json", json.dumps(obj).encode())
-
-
-async def _text(send: Send, text: str) -> None:
-    await _respond(send, 200, b"text/plain", text.encode())
-
-
-async def _respond(send: Send, status: int, kind: bytes, body: bytes) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", kind)]})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
