@@ -19,7 +19,7 @@ from sim.cli_util import engine_overrides
 from sim.http.loopback import hypercorn_on_loopback
 from sim.load.azure import ConvertError, default_engine
 from sim.record.upstream import Proxy
-from sim.target.wire import parse_json
+from sim.target.wire import first_model
 from sim.trace.write import write_trace
 
 
@@ -56,9 +56,7 @@ async def _run(a: argparse.Namespace, engine: dict[str, Any]) -> int:
         except httpx.HTTPError as exc:
             print(f"sim record: {upstream}: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 2
-        obj = parse_json(r.content)
-        data = obj.get("data") if isinstance(obj, dict) else None
-        model = str(data[0].get("id")) if isinstance(data, list) and data else "default"
+        model = first_model(r.content) or "default"
         proxy = Proxy(upstream, client)
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with hypercorn_on_loopback(proxy, bind=[f"{a.host}:{a.port}"]) as url:
@@ -69,7 +67,7 @@ async def _run(a: argparse.Namespace, engine: dict[str, Any]) -> int:
     note = f"recorded by sim record --upstream {upstream}"
     try:
         write_trace(proxy.trace(model, engine, note), a.out)
-    except OSError as exc:
+    except Exception as exc:  # a session's recording: say why it was lost, never a traceback
         print(f"sim record: {a.out}: {exc}", file=sys.stderr)
         return 2
     print(f"sim record: {len(proxy.exchanges)} requests written to {a.out}", file=sys.stderr)

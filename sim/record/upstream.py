@@ -67,6 +67,7 @@ class Exchange:
     frame_times: list[float] = field(default_factory=list)
     hung_up: bool = False
     complete: bool = False  # the client was sent the whole answer
+    dropped: bool = False  # the upstream failed (a 502 of ours, or a cut mid-answer)
 
 
 class Proxy:
@@ -83,12 +84,14 @@ class Proxy:
         if scope["type"] != "http":
             return
         now = trio.current_time()
-        self._t0 = now if self._t0 is None else self._t0
+        recorded = scope["method"] == "POST" and scope["path"] in PATHS
+        if recorded and self._t0 is None:
+            self._t0 = now  # seconds count from the first recorded arrival
         body, gone = await raw_asgi.read_body(receive)
         if gone:
             return
-        ex = Exchange(now - self._t0, scope["path"], body)
-        if scope["method"] == "POST" and scope["path"] in PATHS:
+        ex = Exchange(now - (self._t0 if self._t0 is not None else now), scope["path"], body)
+        if recorded:
             self.exchanges.append(ex)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope, ex)
@@ -96,7 +99,9 @@ class Proxy:
             nursery.cancel_scope.cancel()
 
     async def _forward(self, scope: dict[str, Any], ex: Exchange, send: Send) -> None:
-        url = self.upstream + scope["path"]
+        # The path as the client sent it (raw_path), not as the server decoded it.
+        raw = scope.get("raw_path")
+        url = self.upstream + (raw.decode("latin-1") if raw else scope["path"])
         if scope.get("query_string"):
             url += "?" + scope["query_string"].decode("latin-1")
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in HOP_BY_HOP]
@@ -104,7 +109,7 @@ class Proxy:
         try:
             resp = await self.client.send(req, stream=True)
         except httpx.HTTPError as exc:
-            ex.status = 502
+            ex.status, ex.dropped = 502, True
             await raw_asgi.respond(send, 502, b"text/plain; charset=utf-8", f"upstream "
                                    f"{self.upstream}: {type(exc).__name__}: {exc}".encode())
             return
@@ -113,35 +118,44 @@ class Proxy:
             await send({"type": "http.response.start", "status": resp.status_code,
                         "headers": [(k, v) for k, v in resp.headers.raw
                                     if k.lower() not in HOP_BY_HOP]})
-            parser = SseParser()
-            length = resp.headers.get("content-length")
-            sent = 0
-            async for chunk in resp.aiter_raw():
-                events = parser.feed(chunk)
-                # Complete before the send returns: a client that has all of it may close
-                # at once, and that is no hang-up.
-                sent += len(chunk)
-                ex.complete = any(e.strip() == "[DONE]" for e in events) or (
-                    length is not None and sent >= int(length))
-                start = trio.current_time()
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                took = trio.current_time() - start
-                ex.chunks.append(chunk)
-                ex.frames += len(events)
-                ex.frame_times.append(start)
-                if took >= SLOW_S:
-                    ex.slow_gaps.append(took)
-            ex.complete = True
+            try:
+                await self._relay(resp, ex, send)
+                ex.complete = True
+            except httpx.HTTPError:  # the upstream cut the answer: the client gets it cut
+                ex.dropped = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             await resp.aclose()
 
+    async def _relay(self, resp: httpx.Response, ex: Exchange, send: Send) -> None:
+        """The upstream's bytes to the client, chunk by chunk, noting frames and waits."""
+        parser = SseParser()
+        length = resp.headers.get("content-length", "")
+        sent = 0
+        async for chunk in resp.aiter_raw():
+            events = parser.feed(chunk)
+            # Complete before the send returns: a client that has all of it may close at
+            # once, and that is no hang-up.
+            sent += len(chunk)
+            ex.complete = any(e.strip() == "[DONE]" for e in events) or (
+                length.isdigit() and sent >= int(length))
+            start = trio.current_time()
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            took = trio.current_time() - start
+            ex.chunks.append(chunk)
+            ex.frames += len(events)
+            ex.frame_times.append(start)
+            if took >= SLOW_S:
+                ex.slow_gaps.append(took)
+
     def trace(self, model: str, engine: Mapping[str, Any], note: str) -> Trace:
         requests, expectations = [], []
-        for i, ex in enumerate(self.exchanges, start=1):
+        # In arrival order: a slow upload can finish after a later request's.
+        arrived = sorted(self.exchanges, key=lambda ex: ex.at_s)
+        for i, ex in enumerate(arrived, start=1):
             rid = f"r{i}"
             requests.append(_request_line(rid, ex))
-            if not ex.hung_up and ex.status is not None:
+            if not (ex.hung_up or ex.dropped) and ex.status is not None:
                 expectations.append(Expectation(rid, _expected(ex)))
         return Trace(TraceHeader("virtual", model, dict(engine), note=note),
                      tuple(requests), tuple(expectations))
@@ -150,7 +164,7 @@ class Proxy:
 def _request_line(rid: str, ex: Exchange) -> TraceRequest:
     obj = parse_json(ex.body)
     client = ClientSpec(
-        read=(EverySeconds(round(statistics.median(_intervals(ex)), 3))
+        read=(EverySeconds(max(0.001, round(statistics.median(_intervals(ex)), 3)))
               if ex.slow_gaps else "eager"),
         hangup_after_frames=ex.frames if ex.hung_up else None)
     if isinstance(obj, dict):

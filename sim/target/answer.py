@@ -42,7 +42,7 @@ class Answer:
 
 
 def read(seen: Seen) -> Answer:
-    if seen.frames or seen.stream:
+    if seen.frames or (seen.stream and seen.json is None):
         return _from_frames(seen)
     obj = seen.json if isinstance(seen.json, dict) else {}
     choices: dict[int, Choice] = {}
@@ -56,10 +56,13 @@ def read(seen: Seen) -> Answer:
 
 
 def error_message(obj: Any) -> str | None:
-    """An OpenAI error object's message: `{"error": {"message": "..."}}`; None otherwise."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("error"), dict):
+    """An error object's message: OpenAI's `{"error": {"message": "..."}}`, or the top-level
+    `{"object": "error", "message": "..."}` of older vLLM; None otherwise."""
+    if not isinstance(obj, dict):
         return None
-    msg = obj["error"].get("message")
+    err = obj.get("error") if isinstance(obj.get("error"), dict) else (
+        obj if obj.get("object") == "error" else None)
+    msg = err.get("message") if err is not None else None
     return msg if isinstance(msg, str) else None
 
 
@@ -85,14 +88,26 @@ def _from_frames(seen: Seen) -> Answer:
     return Answer(choices, usage, error)
 
 
-def delta_text(choice: dict[str, Any]) -> str:
+def frame_text(obj: dict[str, Any] | None) -> str:
+    """The text a stream frame adds, over all its choices."""
+    return "".join(delta_text(c) for c in choice_list(obj))
+
+
+def choice_list(obj: Any) -> list[Any]:
+    choices = obj.get("choices") if isinstance(obj, dict) else None
+    return choices if isinstance(choices, list) else []
+
+
+def delta_text(choice: Any) -> str:
+    if not isinstance(choice, dict):
+        return ""
     delta = choice.get("delta")
     piece = delta.get("content") if isinstance(delta, dict) else choice.get("text")
     return piece if isinstance(piece, str) else ""
 
 
 def _choices(obj: dict[str, Any]) -> Iterator[tuple[int, dict[str, Any]]]:
-    for k, ch in enumerate(obj.get("choices") or []):
+    for k, ch in enumerate(choice_list(obj)):
         if isinstance(ch, dict):
             index = ch.get("index")
             yield (index if isinstance(index, int) else k), ch

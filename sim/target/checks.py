@@ -19,10 +19,8 @@ FFFD = "\ufffd"
 async def identity(t: Target) -> dict[str, Any]:
     """Who answers: the model /v1/models lists and the `server` header."""
     r = await t.client.get(t.url + "/v1/models")
-    obj = wire.parse_json(r.content)
-    data = obj.get("data") if isinstance(obj, dict) else None
-    model = data[0].get("id") if isinstance(data, list) and data else None
-    return {"model": model, "server": r.headers.get("server", "(none)")}
+    return {"model": wire.first_model(r.content),
+            "server": r.headers.get("server", "(none)")}
 
 
 async def stream_equals_unary(t: Target) -> Outcome:
@@ -40,6 +38,8 @@ async def stream_equals_unary(t: Target) -> Outcome:
                              "unary": u.text(), "stream": s.text(),
                              "unary_tokens": u.tokens(), "stream_tokens": s.tokens(),
                              "request": p.unary.evidence(), "streamed": p.stream.evidence()})
+    if not failures and not any(answer.read(p.unary).text() for p in pairs):
+        return Outcome("stream = unary", "unsupported", "no answer had text (content null?)")
     how = "tokens (logprobs) and text" if t.logprobs else "text (no logprobs)"
     return verdict("stream = unary", failures, f"{len(pairs)} requests alike in {how}",
                    f"{len(failures)} of {len(pairs)} deterministic requests differ")
@@ -56,13 +56,14 @@ async def utf8_frames(t: Target) -> Outcome:
         unary_text = answer.read(p.unary).text()
         for f in p.stream.frames:
             frames += 1
-            piece = "".join(answer.delta_text(c) for c in (f.obj or {}).get("choices") or []
-                            if isinstance(c, dict))
+            piece = answer.frame_text(f.obj)
             wide += sum(ord(ch) > 127 for ch in piece)
             why = bad_piece(piece, unary_text) or empty_frame(f.obj)
             if why:
                 failures.append({"prompt": p.prompt, "path": p.path, "why": why,
                                  "frame": f.data[:400], "unary": unary_text})
+    if not failures and frames == 0:
+        return Outcome("utf-8 frames", "unsupported", "no stream answered 200")
     if not failures and wide == 0:
         return Outcome("utf-8 frames", "unsupported",
                        "no streamed answer had a character outside ASCII: nothing to split")
@@ -81,9 +82,9 @@ def bad_piece(piece: str, unary_text: str) -> str | None:
 
 def empty_frame(obj: dict[str, Any] | None) -> str | None:
     """A frame with no text, role, tool call, reasoning, logprobs, finish reason or usage."""
-    if obj is None or obj.get("usage") or not obj.get("choices"):
+    if obj is None or obj.get("usage") or not answer.choice_list(obj):
         return None
-    for c in obj["choices"]:
+    for c in answer.choice_list(obj):
         if not isinstance(c, dict):
             return None
         delta = c.get("delta")
@@ -98,17 +99,19 @@ async def stop_strings(t: Target) -> Outcome:
     """A stop string taken from the middle of a deterministic answer, where it spans two
     tokens: both modes end just before it, with finish_reason "stop"."""
     failures: list[dict[str, Any]] = []
-    tried = 0
+    tried = across = 0
     for p in await t.pairs():
         if p.prompt != "plain" or p.unary.status != 200:
             continue
         u = answer.read(p.unary)
-        stop = _stop_across_tokens(u)
-        if stop is None:
+        cut = _stop_across_tokens(u)
+        if cut is None:
             continue
+        stop, at_boundary = cut
         tried += 1
+        across += at_boundary
         want = u.text()[:u.text().find(stop)]
-        text = PROMPTS[-1][1]
+        text = dict(PROMPTS)[p.prompt]
         for stream in (False, True):
             extra: dict[str, Any] = {"stop": [stop], "stream": stream}
             seen = await t.send(p.path, t.body(p.path, text, **extra))
@@ -120,35 +123,39 @@ async def stop_strings(t: Target) -> Outcome:
                                  "request": seen.evidence()})
     if tried == 0:
         return Outcome("stop strings", "unsupported", "no answer long enough to cut")
+    where = (f"{across} of {tried} across a token boundary" if across
+             else "from the middle of the text (no tokens to cut at)")
     return verdict("stop strings", failures,
-                   f"{2 * tried} requests end before a stop spanning tokens",
+                   f"{2 * tried} requests end before their stop ({where})",
                    f"{len(failures)} of {2 * tried} requests missed the stop string")
 
 
-def _stop_across_tokens(u: Answer) -> str | None:
-    """Four characters around a token boundary near the middle of the answer (where the
-    tokens spell the text); otherwise four characters from its middle."""
+def _stop_across_tokens(u: Answer) -> tuple[str, bool] | None:
+    """Four characters around a token boundary near the middle of the answer, where the
+    tokens spell the text (True); otherwise four characters from its middle (False)."""
     text = u.text().rstrip()
     if len(text.strip()) < 12:
         return None
     toks = u.tokens()
-    cut = len(text) // 2
+    cut, at_boundary = len(text) // 2, False
     if toks and "".join(toks).startswith(text):
         ends = [sum(map(len, toks[:i])) for i in range(1, len(toks))]
         inner = [e for e in ends if 2 <= e <= len(text) - 2]
-        cut = min(inner, key=lambda e: abs(e - len(text) // 2), default=cut)
+        if inner:
+            cut, at_boundary = min(inner, key=lambda e: abs(e - len(text) // 2)), True
     stop = text[cut - 2:cut + 2]
-    return stop if stop.strip() else None
+    return (stop, at_boundary) if stop.strip() else None
 
 
 async def usage(t: Target) -> Outcome:
     """`usage` agrees with the tokens streamed, with the stream's own usage, with max_tokens
     where the answer stopped at it, and with /tokenize where the server has it."""
     failures: list[dict[str, Any]] = []
-    tokenized = 0
+    tokenized = n = 0
     for p in await t.pairs():
         if p.unary.status != 200:
             continue
+        n += 1
         u, s = answer.read(p.unary), answer.read(p.stream)
         count = await _tokenize_count(t, p) if p.path == COMPLETIONS else None
         tokenized += count is not None
@@ -157,7 +164,8 @@ async def usage(t: Target) -> Outcome:
                              "usage": u.usage, "stream_usage": s.usage,
                              "stream_tokens": len(s.tokens() or []) or None,
                              "tokenize_count": count})
-    n = len(await t.pairs())
+    if n == 0:
+        return Outcome("usage", "unsupported", "no deterministic request answered 200")
     also = f", prompts against /tokenize ({tokenized})" if tokenized else ", no /tokenize"
     return verdict("usage", failures, f"{n} answers' counts agree{also}",
                    f"{len(failures)} disagreements in {n} answers")

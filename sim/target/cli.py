@@ -79,7 +79,7 @@ def main(a: argparse.Namespace) -> int:
     print(report.table())
     if a.report:
         with atomic_open(Path(a.report)) as f:
-            json.dump(report.as_json(), f, ensure_ascii=False, indent=1)
+            f.write(report.dumps())
         with atomic_open(Path(a.report + ".txt")) as f:
             f.write(report.table() + "\n")
     return 1 if report.failed else 0

@@ -1,32 +1,21 @@
-"""The checks that need several requests at once: a hang-up frees its slot, and slow readers
-do not pace other streams.
+"""A hang-up frees its slot: a long stream runs, its client leaves, and the server's own
+gauge says it stopped (or, without a gauge, a request queued behind full slots starts).
 
 A slot's state is read from the server's own gauges, whatever it calls them: vLLM's and
 nanoserve's `*:num_requests_running` and llama.cpp's `llamacpp:requests_processing` on
-/metrics, else llama.cpp's /slots (`is_processing`). A server with neither is `unsupported`
-for the hang-up check.
-
-A slow reader here is a socket that sends its request and then reads nothing, with a small
-receive buffer and a 536-byte segment size (TCP_MAXSEG, the smallest every stack takes). On
-loopback, where segments are 64 KB, the server's kernel would otherwise buffer about 3 MB
-for a reader that never reads (4 MB send buffers, measured on Linux 6); at 536 bytes it
-buffers about 135 KB, so a server that waits on its writes is held up after about a
-thousand frames. The fast side runs 64-token streams back to back for `window_s`, so that
-the slow readers' buffers fill while it is measured.
+/metrics, else llama.cpp's /slots (`is_processing`). Slow readers are pacing.py's.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import re
-import socket
 from typing import Any
-from urllib.parse import urlsplit
 
+import httpx
 import trio
 
-from sim.stats import percentile
-from sim.target import answer, wire
+from sim.target import wire
 from sim.target.outcome import Outcome
 from sim.target.target import COMPLETIONS, Target
 
@@ -82,8 +71,8 @@ async def hangup_frees_slot(t: Target) -> Outcome:
         return Outcome(name, "unsupported", f"the server was not idle within {t.settle_s} s")
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_eager_reader, t, long_body(t), stop)
-        counted = await _started(t, 1)
+        nursery.start_soon(eager_reader, t, long_body(t), stop)
+        counted = await started(t, 1)
         stop.set()  # the hang-up
     if not counted:
         return Outcome(name, "unsupported", "the gauge never counted the long request")
@@ -102,15 +91,17 @@ async def _hangups_by_queueing(t: Target, name: str, slots: int) -> Outcome:
     alone = await _first_frame_s(t, short)
     if alone is None:
         return Outcome(name, "unsupported", "a one-token stream got no frame")
-    started = [trio.Event() for _ in range(slots)]
+    begun = [trio.Event() for _ in range(slots)]
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
-        for ev in started:
+        for ev in begun:
             nursery.start_soon(_held, t, long_body(t), ev, stop)
         with trio.move_on_after(t.settle_s):
-            for ev in started:
+            for ev in begun:
                 await ev.wait()
         stop.set()  # every long stream hangs up
+    if not all(ev.is_set() for ev in begun):
+        return Outcome(name, "unsupported", f"not all {slots} long streams started")
     behind = None
     with trio.move_on_after(t.settle_s):
         behind = await _first_frame_s(t, short)
@@ -128,11 +119,14 @@ async def _first_frame_s(t: Target, body: dict[str, Any]) -> float | None:
 
 
 async def _held(t: Target, body: dict[str, Any], started: trio.Event, stop: trio.Event) -> None:
-    """A long stream read eagerly; `started` once its first bytes arrive; closed at `stop`."""
+    """A long stream read eagerly; `started` once its first bytes of a 200 arrive; closed
+    at `stop`. A refusal or a dropped connection leaves `started` unset."""
     async def read() -> None:
-        async with t.client.stream("POST", t.url + COMPLETIONS, json=body) as resp:
-            async for _ in resp.aiter_bytes():
-                started.set()
+        with contextlib.suppress(httpx.HTTPError):
+            async with t.client.stream("POST", t.url + COMPLETIONS, json=body) as resp:
+                async for _ in resp.aiter_bytes():
+                    if resp.status_code == 200:
+                        started.set()
 
     async with trio.open_nursery() as inner:
         inner.start_soon(read)
@@ -140,56 +134,15 @@ async def _held(t: Target, body: dict[str, Any], started: trio.Event, stop: trio
         inner.cancel_scope.cancel()
 
 
-async def _slow_reader(t: Target, body: dict[str, Any], stop: trio.Event) -> None:
-    """Send `body` on a socket with a small receive buffer, read nothing, close at `stop`."""
-    parts = urlsplit(t.url)
-    sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
-    raw = json.dumps(body).encode()
-    head = (f"POST {parts.path.rstrip('/')}{COMPLETIONS} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n")
-    with sock:
-        await sock.connect((parts.hostname or "127.0.0.1", parts.port or 80))
-        await sock.send(head.encode() + raw)
-        await stop.wait()
-
-
-async def _eager_reader(t: Target, body: dict[str, Any], stop: trio.Event) -> None:
+async def eager_reader(t: Target, body: dict[str, Any], stop: trio.Event) -> None:
+    """A stream read eagerly until `stop`, then closed: a hang-up."""
     async with trio.open_nursery() as inner:
         inner.start_soon(t.send, COMPLETIONS, body)
         await stop.wait()
-        inner.cancel_scope.cancel()  # closes the stream: a hang-up
+        inner.cancel_scope.cancel()
 
 
-async def _fast_beside(t: Target, slow: bool, n: int = 8) -> tuple[list[float] | None, Any]:
-    """Inter-token gaps of 64-token streams run one after another for window_s beside `n`
-    long streams read slowly or eagerly; None (and the evidence) where one of them did not
-    finish within phase_timeout_s."""
-    stop = trio.Event()
-    gaps: list[float] = []
-    async with trio.open_nursery() as nursery:
-        for _ in range(n):
-            nursery.start_soon(_slow_reader if slow else _eager_reader, t, long_body(t), stop)
-        await _started(t, n)
-        end = trio.current_time() + t.window_s
-        while trio.current_time() < end:
-            seen = None
-            with trio.move_on_after(t.phase_timeout_s):
-                seen = await t.send(COMPLETIONS, t.body(
-                    COMPLETIONS, LONG_PROMPT, max_tokens=64, ignore_eos=True, stream=True))
-            if seen is None or not answer.read(seen).finish_reason():
-                stop.set()
-                return None, seen.evidence() if seen is not None else "no answer"
-            times = [f.t for f in seen.frames
-                     if any(answer.delta_text(c) for c in (f.obj or {}).get("choices") or [])]
-            gaps += [b - a for a, b in zip(times, times[1:], strict=False)]
-        stop.set()
-    await settle(t)
-    return gaps or None, None
-
-
-async def _started(t: Target, n: int) -> bool:
+async def started(t: Target, n: int) -> bool:
     """Wait until `n` requests run, by the gauge where there is one (False: not within
     settle_s), else for two seconds."""
     if await running(t) is None:
@@ -201,27 +154,3 @@ async def _started(t: Target, n: int) -> bool:
                 return True
             await trio.sleep(0.05)
     return False
-
-
-async def slow_readers(t: Target) -> Outcome:
-    """A fast stream's inter-token latency beside eight slow readers, against the same beside
-    eight eager readers (the same batch on the server): a slow reader must not pace it."""
-    name = "slow readers don't pace"
-    eager, _ = await _fast_beside(t, slow=False)
-    paced, evidence = await _fast_beside(t, slow=True)
-    if eager is None:
-        return Outcome(name, "unsupported", "a stream beside eight eager readers did not "
-                       f"finish within {t.phase_timeout_s} s")
-    e50, e90 = percentile(eager, 50), percentile(eager, 90)
-    if paced is None:
-        return Outcome(name, "fail", "beside eight slow readers a 64-token stream did not "
-                       f"finish within {t.phase_timeout_s} s (eager: ITL p50 {e50 * 1e3:.0f}"
-                       " ms)", ({"fast_stream": evidence},))
-    p50, p90 = percentile(paced, 50), percentile(paced, 90)
-    detail = (f"ITL p50/p90 {p50 * 1e3:.0f}/{p90 * 1e3:.0f} ms beside slow readers, "
-              f"{e50 * 1e3:.0f}/{e90 * 1e3:.0f} ms beside eager ones")
-    # Twice the eager figure and 20 ms: a shared host's noise, not a paced batch, which
-    # stalls for as long as the slow readers do not read.
-    ok = p50 <= 2 * e50 + 0.02 and p90 <= 2 * e90 + 0.02
-    return Outcome(name, "pass" if ok else "fail", detail,
-                   () if ok else ({"fast_stream": evidence},))

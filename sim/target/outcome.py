@@ -57,4 +57,13 @@ class Report:
             if o.status == "fail" and o.evidence:
                 lines += ["", f"{o.check}: {len(o.evidence)} failing, the first:",
                           json.dumps(o.evidence[0], ensure_ascii=False, indent=1)[:2000]]
-        return "\n".join(lines)
+        return printable("\n".join(lines))
+
+    def dumps(self) -> str:
+        return printable(json.dumps(self.as_json(), ensure_ascii=False, indent=1))
+
+
+def printable(text: str) -> str:
+    """`text` with any lone surrogate (a split character's evidence) escaped, so that it can
+    be printed and written as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")

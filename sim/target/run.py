@@ -9,11 +9,13 @@ one check's load does not move another's figures.
 
 from __future__ import annotations
 
+import functools
+import traceback
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from sim.target import checks, load, traces, wire
+from sim.target import checks, load, pacing, traces, wire
 from sim.target.outcome import Outcome, Report
 from sim.target.target import Target
 from sim.trace.format import Trace
@@ -22,7 +24,7 @@ Check = Callable[[Target], Awaitable[Outcome]]
 
 SCENARIOS: tuple[Check, ...] = (
     checks.stream_equals_unary, checks.utf8_frames, checks.stop_strings, checks.usage,
-    load.hangup_frees_slot, load.slow_readers, checks.bad_input,
+    load.hangup_frees_slot, pacing.slow_readers, checks.bad_input,
 )
 
 
@@ -37,13 +39,28 @@ async def run(url: str, named_traces: Sequence[tuple[Path, Trace]], *, scenarios
         t.model = str(ident.get("model") or "default")
         report = Report(url, ident)
         for check in SCENARIOS if scenarios else ():
-            report.outcomes.append(await check(t))
+            report.outcomes += await guarded(check.__name__, functools.partial(check, t))
         for path, trace in named_traces:
             why = traces.unsupported(trace)
             if why is not None:
                 report.outcomes.append(Outcome(f"trace {path.name}", "unsupported", why))
                 continue
-            for o in await traces.replay_at(t, trace, step_s):
+            for o in await guarded(f"trace {path.name}",
+                                   functools.partial(traces.replay_at, t, trace, step_s)):
                 report.outcomes.append(Outcome(f"{o.check} ({path.name})", o.status, o.detail,
                                                o.evidence))
         return report
+
+
+async def guarded(name: str, check: Callable[[], Awaitable[Outcome | list[Outcome]]]
+                  ) -> list[Outcome]:
+    """The check's outcomes; where the server's answers broke the harness itself (a shape
+    it did not expect, a connection that failed mid-check), one `fail` saying so, so that
+    the other checks still run and the report is still written."""
+    try:
+        got = await check()
+    except Exception as exc:  # any error here is the server's answers meeting a gap in ours
+        where = "".join(traceback.format_exception(exc)[-3:])
+        return [Outcome(name, "fail", f"the check could not finish: {type(exc).__name__}: "
+                        f"{exc}"[:300], ({"traceback": where},))]
+    return got if isinstance(got, list) else [got]

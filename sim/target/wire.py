@@ -11,7 +11,7 @@ U+FFFD, and a check sees the U+FFFD.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,10 +70,12 @@ def make_client() -> httpx.AsyncClient:
 
 async def send(client: httpx.AsyncClient, url: str, path: str, body: Mapping[str, Any] | bytes,
                *, hangup_after_frames: int | None = None, pause_s: float = 0.0,
+               not_before: Callable[[int], float] | None = None,
                headers: Mapping[str, str] | None = None) -> Seen:
     """POST `body` (JSON, or bytes as they are) and read the answer as a client would:
     all of it, or, for a stream, until `hangup_after_frames` frames (then close). `pause_s`:
-    seconds to wait after each frame, a slow reader's pace."""
+    seconds to wait after each frame, a slow reader's pace; `not_before(k)`: the (Trio) time
+    before which the client does not take frame k + 1, a recorded reader's pace."""
     seen = Seen(path, dict(body) if isinstance(body, Mapping) else body)
     start = trio.current_time()
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -83,7 +85,8 @@ async def send(client: httpx.AsyncClient, url: str, path: str, body: Mapping[str
             seen.status = resp.status_code
             seen.headers = {k.lower(): v for k, v in resp.headers.items()}
             if resp.headers.get("content-type", "").startswith("text/event-stream"):
-                await _read_frames(resp, seen, start, hangup_after_frames, pause_s)
+                await _read_frames(resp, seen, start, hangup_after_frames, pause_s,
+                                   not_before)
             else:
                 seen.raw = await resp.aread()
                 seen.json = parse_json(seen.raw)
@@ -103,8 +106,12 @@ async def get(client: httpx.AsyncClient, url: str, path: str) -> tuple[int | Non
 
 
 async def _read_frames(resp: httpx.Response, seen: Seen, start: float,
-                       hangup_after: int | None, pause_s: float) -> None:
+                       hangup_after: int | None, pause_s: float,
+                       not_before: Callable[[int], float] | None) -> None:
     parser = SseParser()
+    if hangup_after == 0:  # gone once the headers came: leaving the block closes it
+        seen.hung_up = True
+        return
     async for data in resp.aiter_bytes():
         for event in parser.feed(data):
             if _take(seen, event, start):
@@ -114,6 +121,8 @@ async def _read_frames(resp: httpx.Response, seen: Seen, start: float,
                 return  # leaving the `stream` block closes the connection: a hang-up
             if pause_s:
                 await trio.sleep(pause_s)
+            if not_before is not None:
+                await trio.sleep_until(not_before(len(seen.frames)))
     for event in parser.close():
         if _take(seen, event, start):
             return
@@ -128,6 +137,15 @@ def _take(seen: Seen, event: str, start: float) -> bool:
     seen.frames.append(Frame(event, obj if isinstance(obj, dict) else None,
                              trio.current_time() - start))
     return False
+
+
+def first_model(raw: bytes) -> str | None:
+    """The first model id of a /v1/models answer; None where there is none."""
+    obj = parse_json(raw)
+    data = obj.get("data") if isinstance(obj, dict) else None
+    first = data[0] if isinstance(data, list) and data else None
+    model = first.get("id") if isinstance(first, dict) else None
+    return str(model) if model is not None else None
 
 
 def parse_json(raw: bytes) -> Any:

@@ -1,5 +1,6 @@
 """A small OpenAI-compatible ASGI server with faults to order: the server `sim replay
---target`'s checks are tested against, sound and broken.
+--target`'s checks are tested against, sound and broken. Like OpenAI and vLLM, it refuses
+`stream_options` on a request that does not stream.
 
 Its "model" says a fixed text from an offset the prompt picks, and its tokenizer cuts UTF-8
 bytes in threes, so emoji, CJK and accented letters are split across tokens as byte-level
@@ -133,6 +134,8 @@ class Toy:
         if not isinstance(temperature, int | float) or isinstance(temperature, bool):
             raise BadRequest("temperature must be a number", "temperature")
         stream = body.get("stream") is True
+        if body.get("stream_options") is not None and not stream:  # as OpenAI and vLLM
+            raise BadRequest("stream_options is only allowed with stream", "stream_options")
         stop = body.get("stop") or []
         stop = [stop] if isinstance(stop, str) else list(stop)
         if stream and "stop_ignored" in self.faults:

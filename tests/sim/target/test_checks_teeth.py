@@ -17,11 +17,11 @@ import trio
 from support.toy_server import Toy
 
 from sim.http.loopback import hypercorn_on_loopback
-from sim.target import checks, load, traces, wire
-from sim.target.outcome import Outcome
+from sim.target import checks, load, pacing, run, traces, wire
+from sim.target.outcome import Outcome, Report
 from sim.target.run import Check
 from sim.target.target import Target
-from sim.trace.format import ClientSpec, Trace, TraceHeader, TraceRequest
+from sim.trace.format import ClientSpec, FramesByStep, Read, Trace, TraceHeader, TraceRequest
 
 
 @asynccontextmanager
@@ -36,7 +36,7 @@ async def outcome(check: Check, *faults: str) -> Outcome:
 
 
 ALL: tuple[Check, ...] = (checks.stream_equals_unary, checks.utf8_frames, checks.stop_strings,
-                          checks.usage, load.hangup_frees_slot, load.slow_readers,
+                          checks.usage, load.hangup_frees_slot, pacing.slow_readers,
                           checks.bad_input)
 
 
@@ -85,7 +85,7 @@ async def test_a_server_that_ignores_a_hang_up_fails_with_its_gauge() -> None:
 
 
 async def test_a_server_paced_by_slow_readers_fails() -> None:
-    o = await outcome(load.slow_readers, "pacing")
+    o = await outcome(pacing.slow_readers, "pacing")
     assert o.status == "fail"
     assert o.detail.startswith("beside eight slow readers a 64-token stream did not finish")
 
@@ -105,13 +105,15 @@ async def test_the_checks_run_on_trio_alone() -> None:
             assert (await checks.bad_input(t)).status == "pass"
 
 
-def toy_trace(*bodies: dict[str, object], hangup_after: int | None = None) -> Trace:
-    """Greedy requests on the toy at step 0, the last one hung up after `hangup_after`
-    frames where given."""
+def toy_trace(*bodies: dict[str, object], hangup_after: int | None = None,
+              last_reads: Read = "eager") -> Trace:
+    """Requests on the toy at step 0; the last one hung up after `hangup_after` frames where
+    given, and reading as `last_reads`."""
     reqs = []
     for i, body in enumerate(bodies, start=1):
         last = i == len(bodies)
-        client = ClientSpec(hangup_after_frames=hangup_after if last else None)
+        client = ClientSpec(read=last_reads if last else "eager",
+                            hangup_after_frames=hangup_after if last else None)
         reqs.append(TraceRequest(f"r{i}", "/v1/completions", {"model": "toy", **body},
                                  client, at_step=0))
     return Trace(TraceHeader("step", "toy", {}), tuple(reqs))
@@ -123,6 +125,15 @@ GREEDY = {"prompt": "東京 café", "max_tokens": 30, "temperature": 0}
 @pytest.mark.parametrize(("fault", "check", "trace"), [
     ("", None, toy_trace(GREEDY, {**GREEDY, "stream": True})),
     ("", None, toy_trace({**GREEDY, "max_tokens": 2000, "stream": True}, hangup_after=3)),
+    # A stream's twin is unary, without the stream_options a unary request may not carry.
+    ("", None, toy_trace({**GREEDY, "stream": True, "stream_options": {"include_usage": True}})),
+    # A reader that never reads and one that takes frames by a recorded pattern.
+    ("", None, toy_trace(GREEDY, {**GREEDY, "max_tokens": 2000, "stream": True},
+                         last_reads="never")),
+    ("ignore_hangup", "trace: hang-ups free their slots",
+     toy_trace(GREEDY, {**GREEDY, "max_tokens": 2000, "stream": True}, last_reads="never")),
+    ("", None, toy_trace({**GREEDY, "stream": True},
+                         last_reads=FramesByStep(((2, 1), (10, 3))))),
     ("stream_differs", "trace: stream = unary", toy_trace(GREEDY, {**GREEDY, "stream": True})),
     ("empty_frames", "trace: frames", toy_trace({**GREEDY, "stream": True})),
     ("error_500", "trace: no server errors", toy_trace(GREEDY, {"prompt": 5})),
@@ -146,3 +157,20 @@ async def test_without_a_gauge_a_hang_up_is_timed_by_a_queued_request(
         o = await load.hangup_frees_slot(t)
     assert o.status == status, o
     assert o.detail.startswith("a request sent after 2 hang-ups")
+
+
+async def test_a_check_the_server_breaks_is_a_fail_and_the_rest_still_run() -> None:
+    async def broken() -> Outcome:
+        raise KeyError("choices")
+
+    got = await run.guarded("usage", broken)
+    assert [(o.check, o.status) for o in got] == [("usage", "fail")]
+    assert got[0].detail == "the check could not finish: KeyError: 'choices'"
+    assert "KeyError" in got[0].evidence[0]["traceback"]
+
+
+def test_a_report_with_a_lone_surrogate_prints() -> None:
+    report = Report("http://x", {"model": "m"}, [Outcome("utf-8 frames", "fail", "1 split",
+                                                         ({"frame": "caf\ud83d"},))])
+    assert "caf\\ud83d" in report.table()
+    assert report.dumps().encode("utf-8")
