@@ -1,6 +1,7 @@
 """`sim record --upstream URL --out TRACE [--host H] [--port P] [--engine KEY=VALUE ...]`:
 the recording proxy (upstream.py) on a Hypercorn socket, until SIGINT or SIGTERM; then the
-trace is written. Exit status 0, or 2 when the upstream cannot be reached at the start or
+trace is written (until then the file is a journal of the exchanges that ended: a kill
+keeps them). Exit status 0, or 2 when the upstream cannot be reached at the start or
 the trace cannot be written.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,7 +22,9 @@ from sim.http.loopback import hypercorn_on_loopback
 from sim.load.azure import ConvertError, default_engine
 from sim.record.upstream import Proxy
 from sim.target.wire import first_model
-from sim.trace.write import write_trace
+from sim.trace.format import TraceHeader
+from sim.trace.journal import INCOMPLETE, JournalWriter
+from sim.trace.write import dumps_line, header_object, write_trace
 
 
 def add_parser(sub: Any) -> None:
@@ -57,14 +61,19 @@ async def _run(a: argparse.Namespace, engine: dict[str, Any]) -> int:
             print(f"sim record: {upstream}: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 2
         model = first_model(r.content) or "default"
-        proxy = Proxy(upstream, client)
+        note = f"recorded by sim record --upstream {upstream}"
+        header = TraceHeader("virtual", model, engine, note=note)
+        journal = JournalWriter(Path(a.out))
+        journal.write(dumps_line({**header_object(header),
+                                  INCOMPLETE: "sim record was still running"}))
+        proxy = Proxy(upstream, client, journal)
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with hypercorn_on_loopback(proxy, bind=[f"{a.host}:{a.port}"]) as url:
                 print(f"sim record: listening on {url}, forwarding to {upstream}",
                       file=sys.stderr, flush=True)
                 async for _ in signals:
                     break
-    note = f"recorded by sim record --upstream {upstream}"
+    journal.close()
     try:
         write_trace(proxy.trace(model, engine, note), a.out)
     except Exception as exc:  # a session's recording: say why it was lost, never a traceback

@@ -20,12 +20,15 @@ only clock a proxy can see:
 
 The header's engine settings are EngineConfig's defaults (or `--engine` overrides), since a
 proxy cannot see the upstream's: a `sim replay` of the trace on nanoserve checks the texts,
-and `sim replay --target` repeats the clients' behaviour at any server. The trace is written
-when the proxy stops (SIGINT or SIGTERM), in arrival order.
+and `sim replay --target` repeats the clients' behaviour at any server. As `serve --record`
+does (sim/trace/journal.py), the file is a journal while the proxy runs, each exchange
+appended as it ends, so a kill keeps every request that ended before it; a clean stop
+(SIGINT or SIGTERM) rewrites it as the trace, in arrival order.
 """
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -48,6 +51,8 @@ from sim.trace.format import (
     TraceHeader,
     TraceRequest,
 )
+from sim.trace.journal import ORDER, JournalWriter
+from sim.trace.write import dumps_line, expectation_object, request_object
 
 # RFC 9110's connection-specific fields, and the framing each side sets for itself.
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer",
@@ -57,6 +62,7 @@ SLOW_S = 0.05  # a send to the client that took this long means its socket was f
 
 @dataclass
 class Exchange:
+    rid: str  # r1, r2, ... in arrival order
     at_s: float
     path: str
     body: bytes
@@ -71,11 +77,16 @@ class Exchange:
 
 
 class Proxy:
-    def __init__(self, upstream: str, client: httpx.AsyncClient) -> None:
+    def __init__(self, upstream: str, client: httpx.AsyncClient,
+                 journal: JournalWriter | None = None) -> None:
+        """`journal`: where each exchange is appended as it ends (its header written
+        already), so that a kill keeps every request that ended before it."""
         self.upstream = upstream.rstrip("/")
         self.client = client
+        self.journal = journal
         self.exchanges: list[Exchange] = []
         self._t0: float | None = None
+        self._ids = itertools.count(1)
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -87,16 +98,31 @@ class Proxy:
         recorded = scope["method"] == "POST" and scope["path"] in PATHS
         if recorded and self._t0 is None:
             self._t0 = now  # seconds count from the first recorded arrival
-        body, gone = await raw_asgi.read_body(receive)
-        if gone:
-            return
-        ex = Exchange(now - (self._t0 if self._t0 is not None else now), scope["path"], body)
+        rid = f"r{next(self._ids)}" if recorded else ""
+        ex = Exchange(rid, now - (self._t0 if self._t0 is not None else now), scope["path"],
+                      b"")
         if recorded:
-            self.exchanges.append(ex)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope, ex)
-            await self._forward(scope, ex, send)
-            nursery.cancel_scope.cancel()
+            self.exchanges.append(ex)  # now: its id and place are its arrival's
+        ex.body, gone = await raw_asgi.read_body(receive)
+        if gone:  # a body cut short: nothing a replay could send (serve --record's rule)
+            if recorded:
+                self.exchanges.remove(ex)
+            return
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope, ex)
+                await self._forward(scope, ex, send)
+                nursery.cancel_scope.cancel()
+        finally:
+            if recorded and self.journal is not None:
+                self._journal(ex)
+
+    def _journal(self, ex: Exchange) -> None:
+        """The exchange's request line (its place: its arrival) and expectation, appended."""
+        assert self.journal is not None
+        self.journal.write(dumps_line({**request_object(_request_line(ex)), ORDER: [ex.at_s]}))
+        if (fields := _outcome(ex)) is not None:
+            self.journal.write(dumps_line(expectation_object(Expectation(ex.rid, fields))))
 
     async def _forward(self, scope: dict[str, Any], ex: Exchange, send: Send) -> None:
         # The path as the client sent it (raw_path), not as the server decoded it.
@@ -150,18 +176,23 @@ class Proxy:
 
     def trace(self, model: str, engine: Mapping[str, Any], note: str) -> Trace:
         requests, expectations = [], []
-        # In arrival order: a slow upload can finish after a later request's.
-        arrived = sorted(self.exchanges, key=lambda ex: ex.at_s)
-        for i, ex in enumerate(arrived, start=1):
-            rid = f"r{i}"
-            requests.append(_request_line(rid, ex))
-            if not (ex.hung_up or ex.dropped) and ex.status is not None:
-                expectations.append(Expectation(rid, _expected(ex)))
+        for ex in self.exchanges:  # in arrival order, as their ids
+            requests.append(_request_line(ex))
+            if (fields := _outcome(ex)) is not None:
+                expectations.append(Expectation(ex.rid, fields))
         return Trace(TraceHeader("virtual", model, dict(engine), note=note),
                      tuple(requests), tuple(expectations))
 
 
-def _request_line(rid: str, ex: Exchange) -> TraceRequest:
+def _outcome(ex: Exchange) -> dict[str, Any] | None:
+    """The expectation's fields; None for a hang-up or an upstream that failed."""
+    if ex.hung_up or ex.dropped or ex.status is None:
+        return None
+    return _expected(ex)
+
+
+def _request_line(ex: Exchange) -> TraceRequest:
+    rid = ex.rid
     obj = parse_json(ex.body)
     client = ClientSpec(
         read=(EverySeconds(max(0.001, round(statistics.median(_intervals(ex)), 3)))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,6 +23,10 @@ from sim.record.upstream import Proxy
 from sim.replay.run import replay
 from sim.target import answer, load, wire
 from sim.target.target import Target
+from sim.trace.format import TraceHeader
+from sim.trace.journal import INCOMPLETE, JournalWriter
+from sim.trace.loader import load_trace
+from sim.trace.write import dumps_line, header_object
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
@@ -85,3 +90,25 @@ async def test_a_recorded_trace_replays_on_nanoserve_with_every_expectation_met(
     assert result.mismatches == ()
     assert result.ok
     assert result.expectations_checked
+
+
+async def test_a_kill_keeps_every_exchange_that_ended(tmp_path: Path) -> None:
+    # The journal as `sim record` writes it: a header saying it is unfinished, then each
+    # exchange as it ends. Read without the proxy's clean stop, as after a SIGKILL.
+    path = tmp_path / "proxied.jsonl"
+    journal = JournalWriter(path)
+    header = TraceHeader("virtual", "toy", default_engine(), note="test")
+    journal.write(dumps_line({**header_object(header), INCOMPLETE: "still running"}))
+    greedy = {"model": "toy", "prompt": "café", "max_tokens": 6, "temperature": 0}
+    async with hypercorn_on_loopback(Toy()) as up, httpx.AsyncClient() as client:
+        proxy = Proxy(up, client, journal)
+        async with hypercorn_on_loopback(proxy) as url, wire.make_client() as cl:
+            first = await wire.send(cl, url, COMPLETIONS, greedy)
+            await wire.send(cl, url, COMPLETIONS, {**greedy, "stream": True},
+                            hangup_after_frames=1)
+    trace = load_trace(path)
+    assert [(r.id, r.client.hangup_after_frames) for r in trace.requests] == [
+        ("r1", None), ("r2", 1)]
+    assert [(e.id, e.fields["text"]) for e in trace.expectations] == [
+        ("r1", answer.read(first).text())]
+    assert "recovered from a recording that did not finish" in (trace.header.note or "")
