@@ -14,7 +14,7 @@ contracts in pyproject.toml (import-linter: `just lint`, tests/test_layers.py) c
     model/        Llama forward over a paged KV cache; the stub; weight + tokenizer loading
     sampling/     SamplingParams, the batched sampler, its logits stages, structured
                   outputs' grammars, the seeded hashes (its own layers inside)
-    tokenizer, config, progress, flags
+    tokenizer, config, progress, flags, workloads (the copy prompts of speculation's benchmarks)
 
 `sim/` imports nanoserve, never the reverse. Nothing at or below `engine` imports trio,
 HTTP, or reads the wall clock; no package has an import cycle.

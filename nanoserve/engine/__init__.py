@@ -3,6 +3,8 @@
     engine.py             Engine: admit, step (schedule, forward, sample, update), abort
     runner.py             the forward pass and the sampler over one scheduled batch
     parallel_sampling.py  n > 1: the groups of completions one request forks into
+speculative.py        speculative decoding: proposals checked in the step's one forward;
+draft.py              a draft model's proposals (n-gram ones are speculative.py's)
     batch.py              the model's input for one step, from the scheduled requests
     scheduler.py          who runs this step: budgets, chunked prefill, preemption
     kv.py                 the paged KV cache's blocks, prefix caching

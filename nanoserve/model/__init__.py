@@ -14,6 +14,14 @@
     stub_says.py  what the stub is told to say: a prompt's script, a recorded output, copying
     loader.py     a model name or path -> a Hugging Face folder, converted once and cached
     gguf.py       reading a llama GGUF: tensors, metadata, tokenizer
+    hub.py        models by Hugging Face Hub id (`org/name`, `org/name:Q4_K_M`, `@revision`)
+    architectures.py  the architectures nanoserve runs, as a config.json names and shapes them
+    weights.py    a model's weights by name, before any model is built (every TP rank's way)
+    preflight.py  a model setting judged before anything loads (device, TP size, KV pool)
+    unpack.py     GGUF blocks taken apart into quants, scales and offsets, for the panels
+    panels.py     quantized weights repacked into panels of 16 rows, for many-row steps
+    int8.py       8-bit activations for the large multiplies (`--int8-activations`)
+    parallel/     tensor parallelism on torch.distributed (its own map)
 """
 
 from __future__ import annotations

@@ -18,6 +18,13 @@
     generation_models.py  the generation routes' bodies (the sampling fields, each route's)
     body_types.py  what the bodies are built from: lax scalars, ranges, Message, Bounds
     parse.py     request bodies -> SamplingParams and prompts (400s naming the field)
+    errors.py    the OpenAI error object, and the one exception that produces it; invalid.py
+                 a request model's validation errors as one such object
+    limits.py    a request's size limits, checked before the work they bound; nesting.py how
+                 deep a JSON text nests, found without parsing it
+    checks.py    serve's settings judged before the socket is bound, and the bind itself
+    offload.py   request-sized work off the event loop
+    cors.py      CORS: what lets a page on another origin call the server
     constraints.py  a request's structured-output constraint (response_format, guided_*)
     respond.py   a job -> a unary JSON body or an SSE stream; status before the first byte
     render.py    response shapes: choices, chunks, logprobs, usage

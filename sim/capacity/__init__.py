@@ -2,5 +2,6 @@
 calibrate.py), the engine in modelled time (fleet.py: replicas; routers.py: the placement
 policies, SGLang's cache_aware among them; plan.py: sweeps and SLO search; parallel.py: the
 runs of a sweep on any concurrent.futures Executor), its metrics and reports (metrics.py,
-report.py), the check against the real engine or fleet (validate.py, measured.py), the
-simulator's own speed (bench.py), and `sim capacity` (cli.py)."""
+report.py), the check against the real engine or fleet (validate.py, measured.py),
+speculative decoding at an acceptance rate (acceptance.py), the simulator's own speed
+(bench.py), and `sim capacity` (cli.py)."""

@@ -10,6 +10,12 @@ events into the OpenAI shapes; the names are vLLM's flags'.
     mistral.py      `[TOOL_CALLS][{...}, ...]` and `[TOOL_CALLS]name[ARGS]{...}`
     pythonic.py     `[f(a=1), g(b="x")]` read with `ast` (Llama 3.2/4)
     reasoning.py    `<think>...</think>` -> reasoning_content, content (deepseek_r1, qwen3)
+    plan.py         a chat request's tools read: what the template gets, what the sampler
+                    enforces, how the output is read back (an OutputPlan)
+    constrained.py  tool calls the sampler enforces: `tool_choice` "required" or a name
+    schema_check.py is a tool's `parameters` (or a response format's schema) a valid schema?
+    output.py       a choice's text -> reasoning_content, content and tool_calls, streamed
+                    and whole
 
 The tool-call interface:
 
