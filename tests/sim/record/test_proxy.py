@@ -77,7 +77,11 @@ async def test_a_recorded_trace_replays_on_nanoserve_with_every_expectation_met(
         seen = [await wire.send(cl, url, path, body, hangup_after_frames=k)
                 for path, body, k in sends]
     trace = proxy.trace("stub", default_engine(), "through the proxy")
-    assert [r.client.hangup_after_frames for r in trace.requests] == [None, None, 3, None, None]
+    # The frames the proxy had sent when it saw the hang-up: the client read 3, and a
+    # frame sent as it closed may be counted too (a proxy cannot see what was read).
+    hangups = [r.client.hangup_after_frames for r in trace.requests]
+    assert hangups[:2] + hangups[3:] == [None] * 4
+    assert hangups[2] in (3, 4)
     assert [r.at_s for r in trace.requests] == sorted(r.at_s or 0 for r in trace.requests)
     by_id = {e.id: e.fields for e in trace.expectations}
     assert sorted(by_id) == ["r1", "r2", "r4", "r5"]  # a hang-up has no outcome to expect
@@ -104,11 +108,12 @@ async def test_a_kill_keeps_every_exchange_that_ended(tmp_path: Path) -> None:
         proxy = Proxy(up, client, journal)
         async with hypercorn_on_loopback(proxy) as url, wire.make_client() as cl:
             first = await wire.send(cl, url, COMPLETIONS, greedy)
-            await wire.send(cl, url, COMPLETIONS, {**greedy, "stream": True},
+            await wire.send(cl, url, COMPLETIONS, {**greedy, "max_tokens": 2000, "stream": True},
                             hangup_after_frames=1)
     trace = load_trace(path)
-    assert [(r.id, r.client.hangup_after_frames) for r in trace.requests] == [
-        ("r1", None), ("r2", 1)]
+    assert [r.id for r in trace.requests] == ["r1", "r2"]
+    assert trace.requests[0].client.hangup_after_frames is None
+    assert (trace.requests[1].client.hangup_after_frames or 0) >= 1  # sent, not all read
     assert [(e.id, e.fields["text"]) for e in trace.expectations] == [
         ("r1", answer.read(first).text())]
     assert "recovered from a recording that did not finish" in (trace.header.note or "")
