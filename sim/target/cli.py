@@ -42,6 +42,8 @@ def add_flags(p: Any) -> None:
                    help="with --target: requests the server runs at once; where it exports "
                    "no running-requests gauge, the hang-up check fills N slots and times a "
                    "request queued behind them")
+    g.add_argument("--api-key", metavar="KEY",
+                   help="with --target: sent as `Authorization: Bearer KEY` on every request")
     g.add_argument("--slow-window", type=flags.positive_float, default=20.0, metavar="S",
                    help="with --target: seconds fast streams run beside slow readers, and "
                    "beside eager ones [20]")
@@ -72,7 +74,7 @@ def main(a: argparse.Namespace) -> int:
         report = trio.run(lambda: run(a.target, named, scenarios=a.scenarios,
                                       step_s=a.step_seconds, settle_s=a.settle,
                                       window_s=a.slow_window, extra=a.extra_body,
-                                      slots=a.slots))
+                                      slots=a.slots, api_key=a.api_key))
     except httpx.HTTPError as exc:
         print(f"sim replay: {a.target}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2

@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 import trio
 
 from sim.stats import percentile
-from sim.target import answer
+from sim.target import answer, wire
 from sim.target.load import eager_reader, long_body, settle, started
 from sim.target.outcome import Outcome
 from sim.target.target import COMPLETIONS, Target
@@ -108,7 +108,8 @@ async def silent_reader(t: Target, path: str, raw: bytes, stop: trio.Event) -> N
     A refused or reset connection just ends it (the phase then finds fewer running)."""
     parts = urlsplit(t.url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
-    head = (f"POST {parts.path.rstrip('/')}{path} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+    auth = "".join(f"{k}: {v}\r\n" for k, v in wire.auth_headers(t.api_key).items())
+    head = (f"POST {parts.path.rstrip('/')}{path} HTTP/1.1\r\nHost: {parts.netloc}\r\n{auth}"
             f"Content-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n")
     try:
         family, kind, proto, _, addr = (await trio.socket.getaddrinfo(

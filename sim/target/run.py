@@ -30,11 +30,12 @@ SCENARIOS: tuple[Check, ...] = (
 
 async def run(url: str, named_traces: Sequence[tuple[Path, Trace]], *, scenarios: bool,
               step_s: float = 0.05, settle_s: float = 10.0, window_s: float = 20.0,
-              extra: dict[str, Any] | None = None, slots: int | None = None) -> Report:
+              extra: dict[str, Any] | None = None, slots: int | None = None,
+              api_key: str | None = None) -> Report:
     url = url.rstrip("/")
-    async with wire.make_client() as cl:
+    async with wire.make_client(api_key) as cl:
         t = Target(url, cl, "", settle_s=settle_s, window_s=window_s, extra=dict(extra or {}),
-                   slots=slots)
+                   slots=slots, api_key=api_key)
         ident = await checks.identity(t)
         t.model = str(ident.get("model") or "default")
         report = Report(url, ident)

@@ -46,6 +46,7 @@ class Target:
     phase_timeout_s: float = 60.0  # the most a fast stream may take beside slow readers
     window_s: float = 20.0  # how long fast streams run beside slow (or eager) readers
     slots: int | None = None  # requests the server runs at once (--slots), where no gauge says
+    api_key: str | None = None  # sent as a Bearer token (the client has it; raw sockets too)
     logprobs: bool = True  # the server answered a request with logprobs
     extra: dict[str, Any] = field(default_factory=dict)  # --extra-body, on every generation
     _pairs: list[Pair] | None = field(default=None, repr=False)

@@ -62,10 +62,16 @@ class Seen:
         return out
 
 
-def make_client() -> httpx.AsyncClient:
+def make_client(api_key: str | None = None) -> httpx.AsyncClient:
+    """The checks' client: `api_key` goes as `Authorization: Bearer` on every request."""
     # A check may wait on a slow server; a dropped connection is the finding, so no retries.
     return httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=10.0),
-                             limits=httpx.Limits(max_connections=None))
+                             limits=httpx.Limits(max_connections=None),
+                             headers=auth_headers(api_key))
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 async def send(client: httpx.AsyncClient, url: str, path: str, body: Mapping[str, Any] | bytes,

@@ -13,10 +13,16 @@ from pathlib import Path
 
 import pytest
 from support.serve_process import serving
+from support.server_harness import make_engine
 
+from nanoserve.bridge.clock import LiveClock
+from nanoserve.server import ServerConfig, create_app
 from sim import cli
+from sim.http.loopback import hypercorn_on_loopback
+from sim.target import checks, load, pacing, wire
 from sim.target import cli as target_cli
 from sim.target.outcome import Outcome, Report
+from sim.target.target import Target
 
 ROOT = Path(__file__).resolve().parents[3]
 TRACES = [str(ROOT / "traces" / name) for name in ("hangups.jsonl", "unicode.jsonl",
@@ -65,3 +71,15 @@ def test_a_failing_check_exits_1_and_a_missing_target_2(monkeypatch: pytest.Monk
     assert cli.main(["replay", "--target", "http://127.0.0.1:9", "--scenarios"]) == 2
     assert cli.main(["replay", "--target", "http://127.0.0.1:9"]) == 2  # nothing to run
     assert cli.main(["replay", "--scenarios", TRACES[0]]) == 2  # --scenarios needs --target
+
+
+async def test_a_server_with_a_key_is_checked_with_it() -> None:
+    # Every request carries the key, the slow readers' raw sockets too: without it they
+    # would get 401s, and the slow-reader check would be unsupported, not passed.
+    app = create_app(make_engine(max_model_len=4096, num_blocks=2048),
+                     ServerConfig("stub", api_key="sk-test"), clock=LiveClock())
+    async with hypercorn_on_loopback(app) as url, wire.make_client("sk-test") as cl:
+        t = Target(url, cl, "stub", settle_s=5.0, window_s=1.0, api_key="sk-test")
+        got = [await pacing.slow_readers(t), await load.hangup_frees_slot(t),
+               await checks.bad_input(t)]
+    assert [o.status for o in got] == ["pass", "pass", "pass"], got
