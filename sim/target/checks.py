@@ -157,7 +157,7 @@ async def usage(t: Target) -> Outcome:
             continue
         n += 1
         u, s = answer.read(p.unary), answer.read(p.stream)
-        count = await _tokenize_count(t, p) if p.path == COMPLETIONS else None
+        count = await _tokenize_count(t, p)
         tokenized += count is not None
         for why in _usage_faults(t, u, s, count):
             failures.append({"prompt": p.prompt, "path": p.path, "why": why,
@@ -191,11 +191,17 @@ def _usage_faults(t: Target, u: Answer, s: Answer, prompt_count: int | None) -> 
 
 
 async def _tokenize_count(t: Target, p: Pair) -> int | None:
-    """The prompt's token count from /tokenize: vLLM's shape (nanoserve's too), else
-    llama.cpp's (`content`, special tokens asked for, as generation adds them). An empty
-    list for a prompt that is not empty is a shape the server did not read."""
+    """The prompt's token count from /tokenize: vLLM's shape (nanoserve's too; messages
+    for a chat, rendered with the generation prompt as the chat route renders them), else,
+    for a completion, llama.cpp's (`content`, special tokens asked for, as generation adds
+    them). An empty list for a prompt that is not empty is a shape the server did not
+    read."""
     text = dict(PROMPTS)[p.prompt]
-    for body in ({"model": t.model, "prompt": text}, {"content": text, "add_special": True}):
+    bodies: list[dict[str, Any]] = (
+        [{"model": t.model, "messages": [{"role": "user", "content": text}],
+          "add_generation_prompt": True}] if p.path == CHAT else
+        [{"model": t.model, "prompt": text}, {"content": text, "add_special": True}])
+    for body in bodies:
         seen = await t.send("/tokenize", body)
         obj = seen.json if isinstance(seen.json, dict) else {}
         if seen.status == 200 and isinstance(obj.get("tokens"), list) and obj["tokens"]:

@@ -113,7 +113,7 @@ class Toy:
                                        f"toy:num_requests_running {self.running}\n".encode())
             elif route == ("POST", "/tokenize"):
                 body = _object(raw)
-                ids = list(range(len(tokens_of(body["prompt"]))))
+                ids = list(range(len(tokens_of(_prompt(body, "messages" in body)))))
                 await raw_asgi.respond_json(send, 200, {"tokens": ids})
             elif route[0] == "POST" and route[1] in ("/v1/completions", "/v1/chat/completions"):
                 await self._generate(route[1], _object(raw), receive, send)
