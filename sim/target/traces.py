@@ -44,6 +44,7 @@ def unsupported(trace: Trace) -> str | None:
 
 
 async def replay_at(t: Target, trace: Trace, step_s: float) -> list[Outcome]:
+    """The trace's requests sent as its clients behaved, then its checks' outcomes."""
     seen: dict[str, Seen] = {}
     skipped = [r.id for r in trace.requests if r.client.send_body_bytes is not None]
     others_done = trio.Event()  # when a reader that never reads may close, at the latest
@@ -63,6 +64,8 @@ async def replay_at(t: Target, trace: Trace, step_s: float) -> list[Outcome]:
     if any(r.client.hangup_after_frames is not None or r.client.hangup_at_step is not None
            or r.client.read == "never" for r in trace.requests):
         out.append(await _hangups_settle(t))
+    # The twins run last, so their own requests cannot hide a slot left running; they are
+    # listed third, beside the trace's other answers.
     out.insert(2, await _twins(t, trace, seen))
     return out
 
