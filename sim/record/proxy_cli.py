@@ -1,8 +1,8 @@
 """`sim record --upstream URL --out TRACE [--host H] [--port P] [--engine KEY=VALUE ...]`:
 the recording proxy (upstream.py) on a Hypercorn socket, until SIGINT or SIGTERM; then the
 trace is written (until then the file is a journal of the exchanges that ended: a kill
-keeps them). Exit status 0, or 2 when the upstream cannot be reached at the start or
-the trace cannot be written.
+keeps them). Exit status 0; 1 when an exchange could not be journaled (logged with its
+id); 2 when the upstream cannot be reached at the start or the trace cannot be written.
 """
 
 from __future__ import annotations
@@ -80,4 +80,4 @@ async def _run(a: argparse.Namespace, engine: dict[str, Any]) -> int:
         print(f"sim record: {a.out}: {exc}", file=sys.stderr)
         return 2
     print(f"sim record: {len(proxy.exchanges)} requests written to {a.out}", file=sys.stderr)
-    return 0
+    return 1 if proxy.failed else 0

@@ -29,6 +29,7 @@ appended as it ends, so a kill keeps every request that ended before it; a clean
 from __future__ import annotations
 
 import itertools
+import logging
 import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ import trio
 from sim.http import raw_asgi
 from sim.http.raw_asgi import Receive, Send
 from sim.http.sse import SseParser
+from sim.record.trace import json_body
 from sim.record.wire import parse_wire
 from sim.target.wire import parse_json
 from sim.trace.format import (
@@ -57,6 +59,7 @@ from sim.trace.write import dumps_line, expectation_object, request_object
 # RFC 9110's connection-specific fields, and the framing each side sets for itself.
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer",
                         b"transfer-encoding", b"upgrade", b"host", b"content-length"})
+log = logging.getLogger("sim.record")
 SLOW_S = 0.05  # a send to the client that took this long means its socket was full
 
 
@@ -87,6 +90,7 @@ class Proxy:
         self.exchanges: list[Exchange] = []
         self._t0: float | None = None
         self._ids = itertools.count(1)
+        self.failed = False  # an exchange could not be written to the journal
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -115,7 +119,11 @@ class Proxy:
                 nursery.cancel_scope.cancel()
         finally:
             if recorded and self.journal is not None:
-                self._journal(ex)
+                try:
+                    self._journal(ex)
+                except Exception:  # a recorder bug: this exchange is lost, say which
+                    log.exception("sim record: %s (%s) could not be written", ex.rid, ex.path)
+                    self.failed = True
 
     def _journal(self, ex: Exchange) -> None:
         """The exchange's request line (its place: its arrival) and expectation, appended."""
@@ -193,14 +201,12 @@ def _outcome(ex: Exchange) -> dict[str, Any] | None:
 
 def _request_line(ex: Exchange) -> TraceRequest:
     rid = ex.rid
-    obj = parse_json(ex.body)
+    obj, raw = json_body(ex.body)  # the bytes where strict JSON cannot hold the body
     client = ClientSpec(
         read=(EverySeconds(max(0.001, round(statistics.median(_intervals(ex)), 3)))
               if ex.slow_gaps else "eager"),
         hangup_after_frames=ex.frames if ex.hung_up else None)
-    if isinstance(obj, dict):
-        return TraceRequest(rid, ex.path, obj, client, at_s=round(ex.at_s, 4))
-    return TraceRequest(rid, ex.path, {}, client, at_s=round(ex.at_s, 4), raw_body=ex.body)
+    return TraceRequest(rid, ex.path, obj, client, at_s=round(ex.at_s, 4), raw_body=raw)
 
 
 def _intervals(ex: Exchange) -> list[float]:

@@ -72,6 +72,7 @@ async def test_a_recorded_trace_replays_on_nanoserve_with_every_expectation_met(
         (COMPLETIONS, {**greedy, "max_tokens": 500, "ignore_eos": True, "stream": True}, 3),
         (CHAT, {"model": "stub", "messages": "not a list"}, None),
         (COMPLETIONS, {**greedy, "n": 3, "temperature": 0.8, "seed": 5}, None),
+        (COMPLETIONS, b'{"model": "stub", "prompt": "x", "temperature": NaN}', None),
     ]
     async with proxied(app) as (_, url, proxy), wire.make_client() as cl:
         seen = [await wire.send(cl, url, path, body, hangup_after_frames=k)
@@ -80,11 +81,13 @@ async def test_a_recorded_trace_replays_on_nanoserve_with_every_expectation_met(
     # The frames the proxy had sent when it saw the hang-up: the client read 3, and a
     # frame sent as it closed may be counted too (a proxy cannot see what was read).
     hangups = [r.client.hangup_after_frames for r in trace.requests]
-    assert hangups[:2] + hangups[3:] == [None] * 4
+    assert hangups[:2] + hangups[3:] == [None] * 5
     assert hangups[2] in (3, 4)
     assert [r.at_s for r in trace.requests] == sorted(r.at_s or 0 for r in trace.requests)
     by_id = {e.id: e.fields for e in trace.expectations}
-    assert sorted(by_id) == ["r1", "r2", "r4", "r5"]  # a hang-up has no outcome to expect
+    assert sorted(by_id) == ["r1", "r2", "r4", "r5", "r6"]  # a hang-up has none to expect
+    assert trace.requests[5].raw_body == sends[5][1]  # a NaN: kept as the bytes sent
+    assert by_id["r6"]["status"] == 400
     assert by_id["r1"]["text"] == answer.read(seen[0]).text()
     assert by_id["r2"]["frames"] == len(seen[1].frames)
     assert by_id["r4"] == {"status": 400, "error": "invalid_value"}
