@@ -1,6 +1,7 @@
 """The checks of what one request shows: stream against unary, UTF-8 in the frames, stop
 strings, usage, and bad input. Each reads deterministic exchanges (target.py) and ends in an
-Outcome (outcome.py); the checks that need load (hang-ups, slow readers) are in load.py.
+Outcome (outcome.py); the checks that need several requests at once are load.py's
+(hang-ups) and pacing.py's (slow readers).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ async def identity(t: Target) -> dict[str, Any]:
 
 
 async def stream_equals_unary(t: Target) -> Outcome:
+    """Each deterministic pair: the same text streamed and unary, and the same tokens where
+    both give logprobs."""
     failures = []
     pairs = await t.pairs()
     for p in pairs:
