@@ -8,7 +8,7 @@ stream's choices are joined by their `index`, as OpenAI's clients do.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from sim.target.wire import Seen
@@ -19,7 +19,6 @@ class Choice:
     text: str = ""
     tokens: list[str] | None = None  # from logprobs, where the server gave them
     finish_reason: str | None = None
-    deltas: list[str] = field(default_factory=list)  # a stream's text pieces, frame by frame
 
 
 @dataclass(slots=True)
@@ -77,10 +76,7 @@ def _from_frames(seen: Seen) -> Answer:
             usage = obj["usage"]
         for i, ch in _choices(obj):
             c = choices.setdefault(i, Choice())
-            piece = delta_text(ch)
-            if piece:
-                c.text += piece
-                c.deltas.append(piece)
+            c.text += delta_text(ch)
             toks = _tokens(ch.get("logprobs"))
             if toks is not None:
                 c.tokens = (c.tokens or []) + toks

@@ -4,7 +4,7 @@ A deterministic request is temperature 0 with a seed: every OpenAI-compatible se
 then answer the same text whether it streams or not. The prompts are the project's hard
 cases for a detokenizer (emoji with joiners and skin tones, CJK, Hangul, accented Latin),
 plus one plain English prompt, each asked on /v1/completions and /v1/chat/completions. Each
-pair (unary, stream) is sent once and kept: three checks read the same exchanges.
+pair (unary, stream) is sent once and kept: four checks read the same exchanges.
 """
 
 from __future__ import annotations
