@@ -95,7 +95,7 @@ async def _hangups_by_queueing(t: Target, name: str, slots: int) -> Outcome:
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
         for ev in begun:
-            nursery.start_soon(_held, t, long_body(t), ev, stop)
+            nursery.start_soon(eager_reader, t, long_body(t), stop, ev)
         with trio.move_on_after(t.settle_s):
             for ev in begun:
                 await ev.wait()
@@ -118,26 +118,19 @@ async def _first_frame_s(t: Target, body: dict[str, Any]) -> float | None:
     return seen.frames[0].t if seen.status == 200 and seen.frames else None
 
 
-async def _held(t: Target, body: dict[str, Any], started: trio.Event, stop: trio.Event) -> None:
-    """A long stream read eagerly; `started` once its first bytes of a 200 arrive; closed
-    at `stop`. A refusal or a dropped connection leaves `started` unset."""
+async def eager_reader(t: Target, body: dict[str, Any], stop: trio.Event,
+                       begun: trio.Event | None = None) -> None:
+    """A stream read eagerly until `stop`, then closed: a hang-up. `begun` is set once the
+    first bytes of a 200 arrive; a refusal or a dropped connection leaves it unset."""
     async def read() -> None:
         with contextlib.suppress(httpx.HTTPError):
             async with t.client.stream("POST", t.url + COMPLETIONS, json=body) as resp:
                 async for _ in resp.aiter_bytes():
-                    if resp.status_code == 200:
-                        started.set()
+                    if begun is not None and resp.status_code == 200:
+                        begun.set()
 
     async with trio.open_nursery() as inner:
         inner.start_soon(read)
-        await stop.wait()
-        inner.cancel_scope.cancel()
-
-
-async def eager_reader(t: Target, body: dict[str, Any], stop: trio.Event) -> None:
-    """A stream read eagerly until `stop`, then closed: a hang-up."""
-    async with trio.open_nursery() as inner:
-        inner.start_soon(t.send, COMPLETIONS, body)
         await stop.wait()
         inner.cancel_scope.cancel()
 
