@@ -56,8 +56,10 @@ class Job:
     ) -> None:
         self.id = public_id
         self.n = prepared[0].params.n
+        # Usage is the engine's count: the prompts admission prepared, and each
+        # completion's num_output_tokens from its latest update, keyed (prompt, index).
         self.num_prompt_tokens = sum(len(p.prompt_ids) for p in prepared)
-        self.num_output_tokens = 0
+        self._outputs: dict[tuple[int, int], int] = {}
         self._registry = registry
         self._metrics = registry.metrics
         self._arrival = arrival
@@ -82,6 +84,11 @@ class Job:
     @property
     def done(self) -> bool:
         return all(e.all for e in self._endings)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """The tokens the engine generated for this job's completions so far."""
+        return sum(self._outputs.values())
 
     @property
     def request_ids(self) -> list[str]:
@@ -116,12 +123,14 @@ class Job:
             if k not in self._first_seen:
                 self._first_seen.add(k)
                 self._metrics.first_token(now - self._arrival)
-            self.num_output_tokens += len(u.new_token_ids)
             self._metrics.tokens(len(u.new_token_ids))
             last = self._last_token.get((k, u.index))
             if last is not None:
                 self._metrics.inter_token(now - last)
             self._last_token[(k, u.index)] = now
+        # Never lowered: an ending the bridge makes (shutdown, the loop gone) carries 0.
+        key = (k, u.index)
+        self._outputs[key] = max(self._outputs.get(key, 0), u.num_output_tokens)
         if self._endings[k].note(u):
             self._reasons.append(u.finish_reason or "unknown")
         return item
@@ -142,14 +151,15 @@ class Job:
         for scope in self._scopes:
             scope.cancel()
         self._recv.close()
-        aborted = sum(e.open for e in self._endings)
+        # Completions still open as the job closes: the client hung up, or shutdown cut them.
+        cut_short = sum(e.open for e in self._endings)
         if self._scopes:  # it started: count it (a job whose admission failed never ran)
-            self._metrics.finished(self._reasons + ["abort"] * aborted,
+            self._metrics.finished(self._reasons + ["abort"] * cut_short,
                                    self.num_prompt_tokens, trio.current_time() - self._arrival)
         self._registry.remove(self)
         log.info("%s: done: prompt_tokens=%d completion_tokens=%d finish=%s%s", self.id,
                  self.num_prompt_tokens, self.num_output_tokens, ",".join(self._reasons) or "-",
-                 f" aborted={aborted}" if aborted else "")
+                 f" aborted={cut_short}" if cut_short else "")
 
 
 class Registry:
