@@ -72,6 +72,7 @@ async def tokenize() -> Response:
         parse.check_model(body, st.config.served_model_name)
         req = validate(r.api.tokenize, body)
         if req.messages is not None:
+            parse.require_template(r.tokenizer, st.config.chat_template)
             text = parse.chat_text(req.messages, req.add_generation_prompt, r.tokenizer,
                                    st.config.chat_template, st.now)
         elif req.prompt is None:

@@ -39,9 +39,9 @@ Int = Annotated[int, _not_a_bool("an integer")]  # also 2.0 and "2"
 Number = Annotated[float | int, _not_a_bool("a number"), WithJsonSchema({"type": "number"})]
 
 
-def schema(**annotations: Any) -> Any:
-    """Annotations for the document only (ranges and notes): SamplingParams and the engine
-    check what they say."""
+def documented(**annotations: Any) -> Any:
+    """Annotations for the document only (ranges and notes): they validate nothing here.
+    SamplingParams and the engine check what they say, so each range has one owner."""
     return Field(json_schema_extra={k: v for k, v in annotations.items() if v is not None})
 
 
@@ -58,7 +58,7 @@ class TextPart(Body):
 
 class CalledFunction(BaseModel):
     name: StrictStr
-    arguments: Annotated[StrictStr, schema(description="a JSON object's text")]
+    arguments: Annotated[StrictStr, documented(description="a JSON object's text")]
 
 
 class MessageToolCall(BaseModel):
@@ -73,10 +73,10 @@ class MessageToolCall(BaseModel):
 class Message(BaseModel):
     # Other keys (name, ...) reach the chat template as they came.
     model_config = ConfigDict(extra="allow")
-    role: Annotated[StrictStr, schema(description="the chat template may refuse a role")]
+    role: Annotated[StrictStr, documented(description="the chat template may refuse a role")]
     content: StrictStr | list[TextPart] | None = None
     tool_calls: list[MessageToolCall] | None = None
-    tool_call_id: Annotated[StrictStr | None, schema(
+    tool_call_id: Annotated[StrictStr | None, documented(
         description="required in a tool message: the call it answers")] = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -116,8 +116,8 @@ class Bounds:
 
     def token_id(self) -> Any:
         """The annotation of a token id."""
-        return schema(minimum=0, maximum=self.hi_id)
+        return documented(minimum=0, maximum=self.hi_id)
 
     def max_tokens(self) -> Any:
         """The annotation of max_tokens (and chat's max_completion_tokens)."""
-        return schema(minimum=1, maximum=self.hi_tok, description=MAX_TOKENS_NOTE)
+        return documented(minimum=1, maximum=self.hi_tok, description=MAX_TOKENS_NOTE)

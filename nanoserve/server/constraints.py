@@ -1,7 +1,7 @@
 """A request's structured-output constraint, from OpenAI's `response_format` or vLLM's
 `guided_*` and `structured_outputs` fields: at most one per request (a second is a 400
 naming it). Whether it compiles is the engine's check (Engine.prepare), a 400 naming the
-field too. Tool constraints are server/tools/'s; parse.py joins the two."""
+field too. A chat's tools compose theirs with it (tools/plan.py)."""
 
 from __future__ import annotations
 

@@ -21,11 +21,13 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from nanoserve.sampling.grammar import GuidedSpec
 from nanoserve.sampling.params import ParamError, SamplingParams
 from nanoserve.server.body_types import Message
 from nanoserve.server.config import AgentSettings
 from nanoserve.server.constraints import request_constraint
 from nanoserve.server.errors import ApiError, bad_request, from_param_error
+from nanoserve.server.generation_models import refused
 from nanoserve.server.limits import (
     Caps,
     check_prompt_chars,
@@ -36,7 +38,7 @@ from nanoserve.server.limits import (
 from nanoserve.server.nesting import MAX_DEPTH, deep_field, too_deep
 from nanoserve.server.protocol import Protocol, validate
 from nanoserve.server.tools.output import OutputPlan
-from nanoserve.server.tools.plan import constraint_with, plan_tools
+from nanoserve.server.tools.plan import plan_tools
 from nanoserve.tokenizer import Tokenizer
 
 Prompt = str | list[int]
@@ -48,8 +50,6 @@ _SAMPLING_FIELDS = (
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
     "prompt_logprobs", "speculate",
 )  # fmt: skip
-_REFUSED = ("functions", "function_call", "suffix")  # the legacy function calling too
-_COMPLETION_REFUSED = ("tools", "tool_choice")  # tools are chat's
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI completions API's default
 NO_AGENTS = AgentSettings()  # no tool-call or reasoning parser, auto tool choice off
 
@@ -139,12 +139,12 @@ def check_model(body: Mapping[str, Any], served: str, *, required: bool = False)
                        f"{served!r}", "model", "model_not_found")
 
 
-def _checked(body: Mapping[str, Any], model: type[BaseModel], served: str,
-             refused: tuple[str, ...] = ()) -> Any:
+def _checked(body: Mapping[str, Any], model: type[BaseModel], served: str) -> Any:
     """The body as `model`, after the checks whose answer is more than a 400 on a type:
-    a model we do not serve (404) and the fields we refuse (named as unsupported)."""
+    a model we do not serve (404) and the fields the model marks Refused (named as
+    unsupported: the legacy function calling, and tools on completions)."""
     check_model(body, served)
-    for name in _REFUSED + refused:
+    for name in refused(model):
         if body.get(name) is not None:
             raise bad_request(name, f"{name} is not supported by this server", "unsupported")
     return validate(model, body)
@@ -153,7 +153,7 @@ def _checked(body: Mapping[str, Any], model: type[BaseModel], served: str,
 def completion(body: Mapping[str, Any], api: Protocol, caps: Caps | None = None
                ) -> GenerateRequest:
     """`caps`: the size limits (limits.py); None checks none (an offline workload)."""
-    req = _checked(body, api.completion, api.served, _COMPLETION_REFUSED)
+    req = _checked(body, api.completion, api.served)
     prompt = req.prompt
     prompts: tuple[Prompt, ...] = (
         (prompt,) if isinstance(prompt, str)
@@ -165,7 +165,7 @@ def completion(body: Mapping[str, Any], api: Protocol, caps: Caps | None = None
                                len(p), caps)
     if req.best_of is not None and req.best_of != (req.n or 1):
         raise bad_request("best_of", "best_of other than n is not supported")
-    fields = _sampling_fields(req)
+    fields = _sampling_fields(req, request_constraint(req))
     # Absent: the OpenAI default; null: whatever the context leaves.
     fields["max_tokens"] = (req.max_tokens if "max_tokens" in req.model_fields_set
                             else COMPLETIONS_DEFAULT_MAX_TOKENS)
@@ -187,18 +187,15 @@ def chat(
     """`caps`: the size limits (limits.py), each checked before the work it bounds."""
     check_tools(body, caps)
     req = _checked(body, api.chat, api.served)
-    _require_template(tokenizer, template)
+    require_template(tokenizer, template)
     _check_tool_messages(req.messages)
     check_prompt_chars("messages", message_chars(req.messages), caps)
     source = template or tokenizer.chat_template or ""
-    output, tools, tool_spec = plan_tools(req, agents, source,
-                                          tokenizer.template_reads("tools", template))
-    text = chat_text(req.messages, req.add_generation_prompt, tokenizer, template, now, tools)
+    plan = plan_tools(req, agents, source, tokenizer.template_reads("tools", template))
+    text = chat_text(req.messages, req.add_generation_prompt, tokenizer, template, now,
+                     plan.tools)
     check_template_chars(text, caps)
-    fields = _sampling_fields(req)
-    guided = constraint_with(tool_spec, fields.pop("guided", None), agents)
-    if guided is not None:
-        fields["guided"] = guided
+    fields = _sampling_fields(req, plan.constraint)
     # max_completion_tokens replaced max_tokens in the chat API; the newer one wins.
     if req.max_completion_tokens is not None:
         fields["max_tokens"] = req.max_completion_tokens
@@ -219,10 +216,12 @@ def chat(
     # As ids: the template wrote the special tokens it wants (a text prompt gets the
     # tokenizer's own, Tokenizer.encode_prompt)
     return GenerateRequest((tokenizer.encode(text),), params, *stream, False, *_returns(req),
-                           output=output)
+                           output=plan.output)
 
 
-def _require_template(tokenizer: Tokenizer, template: str | None) -> None:
+def require_template(tokenizer: Tokenizer, template: str | None) -> None:
+    """A 400 for messages where there is no chat template; each route that renders them
+    asks once, before its other checks (chat, /tokenize)."""
     if template is None and tokenizer.chat_template is None:  # a base model (vLLM's 400 too)
         raise bad_request("messages", "this model has no chat template (a base model): use "
                                       "/v1/completions, or start the server with "
@@ -243,8 +242,8 @@ def chat_text(messages: Sequence[Message], add_generation_prompt: bool | None,
               now: Callable[[], float] = time.time,
               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
     """`messages` rendered through the chat template (the server's, else the model's);
-    `now` is the clock a template's `strftime_now` reads (the app's injected one)."""
-    _require_template(tokenizer, template)
+    `now` is the clock a template's `strftime_now` reads (the app's injected one). The
+    caller has asked `require_template`."""
     try:
         return tokenizer.apply_chat_template(
             [m.as_dict() for m in messages],
@@ -273,11 +272,12 @@ def _stream(req: Any) -> tuple[bool, StreamUsage]:
     return stream, StreamUsage(at_end, at_end and bool(opts.continuous_usage_stats))
 
 
-def _sampling_fields(req: Any) -> dict[str, Any]:
+def _sampling_fields(req: Any, guided: GuidedSpec | None) -> dict[str, Any]:
+    """The fields SamplingParams takes, and the request's one constraint (a completion's
+    from its format fields; a chat's from its tool plan, which composes the two)."""
     out = {k: v for k in _SAMPLING_FIELDS if (v := getattr(req, k)) is not None}
     if "stop_token_ids" in out:
         out["stop_token_ids"] = tuple(out["stop_token_ids"])
-    guided = request_constraint(req)
     if guided is not None:
         out["guided"] = guided
     return out

@@ -28,7 +28,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
 from pydantic.json_schema import GenerateJsonSchema
 
-from nanoserve.server.body_types import Body, Bool, Bounds, Int, Message, schema
+from nanoserve.server.body_types import Body, Bool, Bounds, Int, Message, documented
 from nanoserve.server.generation_models import generation_models
 from nanoserve.server.invalid import api_error
 
@@ -80,7 +80,7 @@ def _tokenizer_models(served: str, b: Bounds) -> tuple[type[Body], type[Body]]:
             {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
             {"required": ["messages"], "properties": {
                 "messages": {"type": "array"}}}]})
-        model: Annotated[StrictStr | None, schema(enum=[served])] = None
+        model: Annotated[StrictStr | None, documented(enum=[served])] = None
         prompt: StrictStr | None = None
         messages: Annotated[list[Message], Field(min_length=1)] | None = None
         add_generation_prompt: Bool | None = None
@@ -91,7 +91,7 @@ def _tokenizer_models(served: str, b: Bounds) -> tuple[type[Body], type[Body]]:
         """Token ids back to text."""
 
         model_config = ConfigDict(title="DetokenizeRequest")
-        model: Annotated[StrictStr | None, schema(enum=[served])] = None
+        model: Annotated[StrictStr | None, documented(enum=[served])] = None
         tokens: TokenIds
 
     return Tokenize, Detokenize

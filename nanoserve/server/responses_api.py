@@ -49,7 +49,8 @@ _PASSED = ("model", "temperature", "top_p", "seed", "stream", "parallel_tool_cal
 # names the field as the Responses request spells it (longest chat name first).
 _RESPONSES_NAMES = (("response_format.json_schema.schema", "text.format.schema"),
                     ("response_format.json_schema", "text.format"),
-                    ("response_format", "text.format"), ("max_tokens", "max_output_tokens"))
+                    ("response_format", "text.format"), ("max_tokens", "max_output_tokens"),
+                    ("tool_choice.function.name", "tool_choice.name"))
 
 
 def responses_error(exc: ApiError) -> ApiError:
@@ -73,7 +74,7 @@ def to_chat_body(body: Mapping[str, Any]) -> dict[str, Any]:
     if tools:
         chat["tools"] = tools
     if body.get("tool_choice") is not None:
-        chat["tool_choice"] = _tool_choice(body["tool_choice"], tools)
+        chat["tool_choice"] = _tool_choice(body["tool_choice"])
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = _max_output_tokens(body["max_output_tokens"])
     response_format = _text_format(body.get("text"))
@@ -238,16 +239,14 @@ def _tool(tool: Any, where: str) -> dict[str, Any]:
     return {"type": "function", "function": function}
 
 
-def _tool_choice(choice: Any, tools: list[dict[str, Any]]) -> Any:
+def _tool_choice(choice: Any) -> Any:
     if choice in _TOOL_CHOICES:
         return choice
     if not isinstance(choice, Mapping) or choice.get("type") != "function":
         raise bad_request("tool_choice", "tool_choice must be none, auto, required or "
                           '{"type": "function", "name": ...}')
-    name = _string(choice, "name", "tool_choice")
-    if name not in {t["function"]["name"] for t in tools}:
-        raise bad_request("tool_choice.name", f"tool_choice.name {name!r} is not in tools")
-    return {"type": "function", "function": {"name": name}}
+    # Whether the name is among the tools is the chat plan's check (tools/plan.py).
+    return {"type": "function", "function": {"name": _string(choice, "name", "tool_choice")}}
 
 
 def _max_output_tokens(value: Any) -> int:

@@ -2,7 +2,8 @@
 the stub (scripted outputs, model/stub.py): text, a json_schema `text.format` and a
 function tool, with `responses.create` and `responses.stream`; the streamed events come in
 the documented order and build the unary answer; the stateless endpoint refuses
-`previous_response_id` naming it."""
+`previous_response_id` naming it, and a named tool not among the tools naming
+`tool_choice.name`."""
 
 from __future__ import annotations
 
@@ -111,3 +112,15 @@ async def test_previous_response_id_is_refused(client: openai.OpenAI) -> None:
         await trio.to_thread.run_sync(lambda: client.responses.create(
             model="stub", input="x", previous_response_id="resp_1"))
     assert info.value.body["param"] == "previous_response_id"  # type: ignore[index]
+
+
+async def test_a_named_tool_not_among_tools_is_refused_once(client: openai.OpenAI) -> None:
+    """The chat plan's one check of a named tool (tools/plan.py), in the Responses API's
+    spelling of the field."""
+    with pytest.raises(openai.BadRequestError) as info:
+        await trio.to_thread.run_sync(lambda: client.responses.create(
+            model="stub", input="x", tools=[WEATHER],  # type: ignore[list-item]
+            tool_choice={"type": "function", "name": "g"}))
+    body: Any = info.value.body
+    assert body["param"] == "tool_choice.name"
+    assert "'g', which is not among tools (get_weather)" in body["message"]

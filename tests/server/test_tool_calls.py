@@ -171,7 +171,7 @@ BAD = [
         "type": "object", "properties": {"a": {"type": "strang"}}}}}]},
      "tools[0].function.parameters"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-     "tool_choice"),
+     "tool_choice.function.name"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": TOOLS, "messages": [{"role": "user", "content": "x"},
                                    {"role": "tool", "content": "18C"}]},

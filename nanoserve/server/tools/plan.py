@@ -28,6 +28,7 @@ from typing import Any
 
 from nanoserve.sampling.grammar import GuidedSpec
 from nanoserve.server.config import AgentSettings
+from nanoserve.server.constraints import request_constraint
 from nanoserve.server.errors import bad_request
 from nanoserve.server.tools.constrained import (
     after_reasoning,
@@ -46,7 +47,7 @@ CHATML = "<|im_start|>"
 class AutoCalls:
     """Under "auto": the calls the parser reads. Not a constraint by itself (the model may
     answer in free text); one side of the alternation when the request also has a response
-    format (`constraint_with`), whose rules are written only then (constrained.auto_calls:
+    format (`_compose`), whose rules are written only then (constrained.auto_calls:
     its size grows with the tools')."""
 
     tools: Sequence[dict[str, Any]]
@@ -54,19 +55,27 @@ class AutoCalls:
     parallel: bool
 
 
+@dataclass(frozen=True, slots=True)
+class ToolPlan:
+    """A chat request read for its tools: how its output is read back (None where it has
+    no tools and the server no reasoning parser), the tools its template renders, and the
+    request's one constraint, the tools' and its response format's composed."""
+
+    output: OutputPlan | None
+    tools: list[dict[str, Any]] | None
+    constraint: GuidedSpec | None
+
+
 def plan_tools(req: Any, agents: AgentSettings, template: str, template_reads_tools: bool
-               ) -> tuple[OutputPlan | None, list[dict[str, Any]] | None,
-                          GuidedSpec | AutoCalls | None]:
-    """(how the output is read, the tools the template renders, the constraint they add:
-    a forced call's, or under "auto" the calls' rules); (None, None, None) where the
-    request has no tools and the server no reasoning parser."""
+               ) -> ToolPlan:
+    """The request's ToolPlan; a 400 naming the field where its tools, tool_choice or
+    format fields cannot be honoured."""
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
     for i, t in enumerate(tools):
         _check_schema(t["function"].get("parameters"), f"tools[{i}].function.parameters")
-    choice = req.tool_choice
-    mode, name = _mode(choice, tools)
+    mode, name = _mode(req.tool_choice, tools)
     if not tools and agents.reasoning_parser is None:
-        return None, None, None
+        return ToolPlan(None, None, request_constraint(req))
     parser = None
     if mode == "auto":
         parser = agents.tool_call_parser or ("hermes" if CHATML in template else None)
@@ -90,8 +99,8 @@ def plan_tools(req: Any, agents: AgentSettings, template: str, template_reads_to
         spec = required_spec(tools, parallel)
     if isinstance(spec, GuidedSpec) and agents.reasoning_parser is not None:
         spec = after_reasoning(spec, agents.reasoning_parser == "deepseek_r1")
-    plan = OutputPlan(mode, parser, name, agents.reasoning_parser)
-    return plan, tools or None, spec
+    return ToolPlan(OutputPlan(mode, parser, name, agents.reasoning_parser), tools or None,
+                    _compose(spec, request_constraint(req), agents))
 
 
 def _mode(choice: Any, tools: Sequence[dict[str, Any]]) -> tuple[str, str | None]:
@@ -104,9 +113,10 @@ def _mode(choice: Any, tools: Sequence[dict[str, Any]]) -> tuple[str, str | None
         return choice, None
     name = choice.function.name
     names = [t["function"]["name"] for t in tools]
-    if name not in names:
-        raise bad_request("tool_choice", f"tool_choice names the function {name!r}, which is "
-                          f"not among tools ({', '.join(names) or 'none given'})")
+    if name not in names:  # the one check of a named tool (the Responses API's too)
+        raise bad_request("tool_choice.function.name", f"tool_choice names the function "
+                          f"{name!r}, which is not among tools "
+                          f"({', '.join(names) or 'none given'})")
     return "named", name
 
 
@@ -118,8 +128,8 @@ def _check_schema(schema: Any, field: str) -> None:
                           f"{f' at {where}' if where else ''}: {exc.message}")
 
 
-def constraint_with(spec: GuidedSpec | AutoCalls | None, other: GuidedSpec | None,
-                    agents: AgentSettings) -> GuidedSpec | None:
+def _compose(spec: GuidedSpec | AutoCalls | None, other: GuidedSpec | None,
+             agents: AgentSettings) -> GuidedSpec | None:
     """The request's one constraint, from the tools' (`spec`) and the response format's
     (`other`), as OpenAI composes them: a forced call's alone (it has no text answer; the
     format is checked all the same), "a call, or text in the format" under "auto", else
