@@ -43,7 +43,8 @@ def header(note: str, clock: str = "step", **engine: Any) -> TraceHeader:
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
-def traces() -> dict[str, Trace]:
+def scheduling_traces() -> dict[str, Trace]:
+    """Arrivals and queueing: a burst past max_num_seqs, and staggered arrivals."""
     t: dict[str, Trace] = {}
     t["burst16"] = Trace(header(
         "16 greedy requests at step 0, max_num_seqs 8: the first 8 run steps 1-16, the next "
@@ -56,6 +57,12 @@ def traces() -> dict[str, Trace]:
         tuple(req(f"r{i}", at, {"prompt": f"Story {i}: once upon a time", "max_tokens": 8 + 4 * i,
                                 "stream": i % 3 != 0, "seed": 100 + i, "temperature": 0.8})
               for i, at in enumerate([0, 1, 2, 3, 5, 8, 13, 21], start=1)))
+    return t
+
+
+def client_traces() -> dict[str, Trace]:
+    """Clients that hang up, give up or read slowly, beside ones that do not."""
+    t: dict[str, Trace] = {}
     t["hangups"] = Trace(header(
         "r1's 40-token-per-step prefill is cut by a hang-up at step 3 (mid-prefill, no token); "
         "r2 hangs up after 4 frames (mid-decode, last_step 4); r3 runs to the end beside them",
@@ -84,6 +91,13 @@ def traces() -> dict[str, Trace]:
          req("r3", 0, {"prompt": "Eager reader:", "max_tokens": 48, "stream": True, "seed": 3,
                        **GREEDY}),
          req("r4", 1, {"prompt": "Eager unary:", "max_tokens": 48, "seed": 4, **GREEDY})))
+    return t
+
+
+def engine_traces() -> dict[str, Trace]:
+    """What the engine does to a request's tokens: preemption under pool pressure, n > 1,
+    stop strings across tokens, and characters that span tokens."""
+    t: dict[str, Trace] = {}
     t["preemption"] = Trace(header(
         "pool pressure: 4 requests of ~50 tokens each on a pool of 24 blocks of 4 tokens (96 "
         "tokens); the newest are preempted and recomputed, and every block comes back",
@@ -123,6 +137,13 @@ def traces() -> dict[str, Trace]:
                        "stream": True, "temperature": 0.0}, CHAT),
          req("r5", 1, {"prompt": "Emoji: 😀 🎉", "max_tokens": 30, "seed": 7,
                        "temperature": 0.6, "stream": True})))
+    return t
+
+
+def request_traces() -> dict[str, Trace]:
+    """Requests' shapes and timing: prompts that never fit, the API's options mixed, and the
+    virtual clock."""
+    t: dict[str, Trace] = {}
     t["too_long"] = Trace(header(
         "prompts that can never fit a pool of 32 blocks of 16 (512 tokens) get a 400 before "
         "anything runs; the request between them is served as usual",
@@ -157,6 +178,12 @@ def traces() -> dict[str, Trace]:
          req("r4", 3.0, {"prompt": "After the gap:", "max_tokens": 8, "stream": True,
                          "seed": 4, **GREEDY}, hangup_after_frames=3)))
     return t
+
+
+def traces() -> dict[str, Trace]:
+    """Every committed trace by its file's stem, in the order they are written."""
+    return {**scheduling_traces(), **client_traces(), **engine_traces(),
+            **request_traces()}
 
 
 def main() -> None:

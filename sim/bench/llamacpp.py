@@ -41,8 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -51,67 +49,22 @@ from typing import Any
 import httpx
 
 from nanoserve.model.loader import EMBEDDED, embedded_path
-from sim.bench.guidellm import GUIDELLM, guidellm_command, offline_env, summarize
-from sim.bench.online import stop, wait_healthy
+from sim.bench.guidellm import GUIDELLM
+
+# Re-exported as well as used: sim/bench/speculative.py picks its llama.cpp build with it.
+from sim.bench.llamacpp_build import working_build as working_build
+from sim.bench.llamacpp_report import report
+from sim.bench.llamacpp_runs import (
+    batched_bench,
+    guidellm,
+    llama_bench,
+    nanoserve_bench,
+    online,
+    rss_mib,
+    serve,
+)
+from sim.bench.online import stop
 from sim.files import atomic_write_text
-
-PY = sys.executable
-
-
-def build(isa: str) -> Path:
-    out = subprocess.run(["bash", "scripts/build_llamacpp.sh", isa], check=True,
-                         stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHON": PY})
-    return Path(out.stdout.strip().splitlines()[-1])
-
-
-PROBE_TIMEOUT_S = 600
-
-
-def probe(bins: Path, gguf: Path) -> str | None:
-    """None where the build in `bins` runs `gguf` on this host, else how it fails: a tiny
-    `llama-bench` (8 prompt tokens, 1 generated) loads the file and runs the matrix kernels
-    the measurements will, so a build with instructions this CPU lacks dies here, not midway."""
-    cmd = [str(bins / "llama-bench"), "-m", str(gguf), "-t", "2", "-p", "8", "-n", "1",
-           "-r", "1"]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        return f"ran past {PROBE_TIMEOUT_S} s on an 8-token probe"
-    except OSError as exc:
-        return f"could not start ({exc})"
-    if done.returncode < 0:
-        try:
-            name = signal.Signals(-done.returncode).name
-        except ValueError:
-            name = f"signal {-done.returncode}"
-        return f"died with {name}" + (" (an instruction this CPU does not run)"
-                                      if name == "SIGILL" else "")
-    if done.returncode > 0:
-        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
-        return f"exited {done.returncode} ({last})"
-    return None
-
-
-def working_build(isa: str, gguf: Path) -> tuple[Path, str, str | None]:
-    """The llama.cpp build to measure: (its folder, its ISA, why it is not `isa`'s or None).
-    `--isa native` falls back to the AVX2 build where the native one fails to build or dies
-    on this host; `--isa avx2` has nothing to fall back to."""
-    candidates = (isa, "avx2") if isa == "native" else (isa,)
-    failures: list[str] = []
-    for b in candidates:
-        try:
-            bins = build(b)
-        except subprocess.CalledProcessError as exc:
-            why = f"the {b} build failed (build_llamacpp.sh exited {exc.returncode})"
-        else:
-            failure = probe(bins, gguf)
-            if failure is None:
-                return bins, b, "; ".join(failures) or None
-            why = f"the {b} build ({bins}) {failure}"
-        failures.append(why)
-        more = "; using the avx2 build" if b != candidates[-1] else ""
-        print(f"llama.cpp: {why}{more}", flush=True)
-    raise SystemExit(f"llama.cpp: no build runs on this host: {'; '.join(failures)}")
 
 
 def model_arg(value: str) -> str:
@@ -131,93 +84,7 @@ def model_label(model: str) -> str:
     return model if model in EMBEDDED else Path(model).stem
 
 
-# What holds nanoserve and the libraries under it to AVX2 (each library's own switch).
-AVX2_ENV = {"NANOSERVE_ISA": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-            "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
-
-
-def nanoserve_env(isa: str) -> dict[str, str]:
-    """nanoserve's environment: AVX2 throughout for `--isa avx2`, else the CPU's best."""
-    env = {k: v for k, v in os.environ.items() if k not in AVX2_ENV}
-    return env | AVX2_ENV if isa == "avx2" else env
-
-
-def llama_bench(bins: Path, gguf: Path) -> dict[str, float]:
-    out = subprocess.run([str(bins / "llama-bench"), "-m", str(gguf), "-t", "2", "-p", "128",
-                          "-n", "64", "-o", "json"], check=True, capture_output=True, text=True)
-    rows = json.loads(out.stdout)
-    return {("pp128" if r["n_prompt"] else "tg64"): round(float(r["avg_ts"]), 2) for r in rows}
-
-
-def batched_bench(bins: Path, gguf: Path) -> dict[str, float]:
-    out = subprocess.run([str(bins / "llama-batched-bench"), "-m", str(gguf), "-t", "2",
-                          "-c", "4096", "-npp", "128", "-ntg", "64", "-npl", "16"],
-                         check=True, capture_output=True, text=True)
-    row = next(line for line in out.stdout.splitlines() if line.startswith("|   128"))
-    cells = [c.strip() for c in row.strip("|").split("|")]
-    return {"pp_tok_s": float(cells[5]), "tg_tok_s": float(cells[7])}
-
-
-def nanoserve_bench(n: int, isa: str, int8: bool = False, model: str = "smollm2"
-                    ) -> dict[str, Any]:
-    flag = ["--int8-activations"] if int8 else []
-    out = subprocess.run([PY, "-m", "nanoserve.cli", "bench", "--model", model, "--n", str(n),
-                          "--quiet", *flag],
-                         check=True, capture_output=True, text=True, env=nanoserve_env(isa))
-    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
-    return result
-
-
-def serve(kind: str, bins: Path, gguf: Path, port: int, isa: str, quantization: str = "auto",
-          model: str = "smollm2") -> subprocess.Popen[bytes]:
-    if kind == "llama-server":
-        cmd = [str(bins / "llama-server"), "-m", str(gguf), "-t", "2", "-np", "16", "-c", "4096",
-               "--host", "127.0.0.1", "--port", str(port)]
-    else:
-        cmd = [PY, "-m", "nanoserve.cli", "serve", "--model", model, "--port", str(port),
-               "--log-level",
-               "warning", "--quantization", quantization,
-               *(["--int8-activations"] if kind == "nanoserve-int8" else [])]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=nanoserve_env(isa))
-    wait_healthy(f"http://127.0.0.1:{port}", proc, 600)
-    return proc
-
-
-def online(url: str, label: str, concurrency: int, n: int, out: Path) -> dict[str, Any]:
-    path = out / f"online_{label}_{concurrency}.json"
-    subprocess.run([PY, "-m", "sim.cli", "bench", "--url", url, "--label", label,
-                    "--concurrency", str(concurrency), "--n", str(n), "--prompt", "fixed:128",
-                    "--output", "fixed:64", "--out", str(path)], check=True,
-                   stdout=subprocess.DEVNULL)
-    s = json.loads(path.read_text())["summary"]
-    return {"output_tok_s": s["output_throughput"], "ttft_p50_ms": s["ttft_ms"]["p50"],
-            "ttft_p99_ms": s["ttft_ms"]["p99"], "tpot_p50_ms": s["tpot_ms"]["p50"],
-            "failed": s["failed"]}
-
-
-def guidellm(url: str, model: str, label: str, streams: int, n: int, out: Path,
-             tokenizer_model: str = "smollm2") -> dict[str, Any]:
-    from nanoserve.model.loader import resolve_model
-
-    report = out / f"guidellm_{label}_{streams}.json"
-    cmd = guidellm_command(url, model, resolve_model(tokenizer_model), streams=streams,
-                           requests=n,
-                           prompt_tokens=128, output_tokens=64, out_json=report)
-    subprocess.run(cmd, check=True, env=offline_env(), stdout=subprocess.DEVNULL,
-                   stderr=subprocess.STDOUT)
-    return summarize(json.loads(report.read_text()))
-
-
-def rss_mib(url: str) -> float:
-    """The server's resident set after one request, from its /metrics process collector."""
-    httpx.post(f"{url}/v1/completions", json={"prompt": "Hello", "max_tokens": 8}, timeout=120)
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    line = next(ln for ln in text.splitlines() if ln.startswith("process_resident_memory_bytes"))
-    return round(float(line.split()[-1]) / 2**20, 1)
-
-
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m sim.bench.llamacpp", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=1, help="alternating online rounds [1]")
@@ -235,7 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=model_arg, default=EMBEDDED[0],
                     help=f"what both run: an embedded model ({', '.join(EMBEDDED)}), from its "
                          "one GGUF file, or a GGUF file's path [smollm2]")
-    a = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     gguf = embedded_path(a.model) if a.model in EMBEDDED else Path(a.model)
@@ -246,15 +117,35 @@ def main(argv: list[str] | None = None) -> int:
     r: dict[str, Any] = {"model": label, "isa": a.isa, "gguf": str(gguf)}
     if fallback:
         r["llamacpp_isa"], r["llamacpp_fallback"] = llamacpp_isa, fallback
-    r |= {"llama_bench": llama_bench(bins, gguf),
-          "nanoserve_bench": nanoserve_bench(a.offline_n, a.isa, model=a.model)}
+    r |= offline(a, bins, gguf)
+    url = f"http://127.0.0.1:{a.port}"
+    online_rounds(r, a, bins, gguf, out, url)
+    r["rss_mib"] = resident_sets(a, bins, gguf, url)
+    atomic_write_text(out / f"llamacpp_side_by_side_{label}_{a.isa}.json",
+                      json.dumps(r, indent=1) + "\n")
+    print(report(r))
+    return 0
+
+
+def offline(a: argparse.Namespace, bins: Path, gguf: Path) -> dict[str, Any]:
+    """The figures without a server: llama-bench, `nanoserve bench` (and with int8
+    activations where asked), then llama-batched-bench, in the order the report keeps."""
+    r: dict[str, Any] = {"llama_bench": llama_bench(bins, gguf),
+                         "nanoserve_bench": nanoserve_bench(a.offline_n, a.isa, model=a.model)}
     if a.int8_activations:
         r["nanoserve_bench_int8"] = nanoserve_bench(a.offline_n, a.isa, int8=True,
                                                     model=a.model)
     print(f"batch-1 decode: llama-bench tg64 {r['llama_bench']['tg64']} tok/s, nanoserve "
           f"{r['nanoserve_bench']['single_decode_tokens_per_s']} tok/s", flush=True)
     r["llama_batched_bench"] = batched_bench(bins, gguf)
-    url = f"http://127.0.0.1:{a.port}"
+    return r
+
+
+def online_rounds(r: dict[str, Any], a: argparse.Namespace, bins: Path, gguf: Path, out: Path,
+                  url: str) -> None:
+    """`--rounds` rounds of each server in turn, one at a time, at 1 and at 16 clients: each
+    run appended to r's "online" (and "guidellm") under "<server> c<clients>". Alternating,
+    so that a shared host's drift falls on every server alike."""
     use_guidellm = not a.no_guidellm and GUIDELLM.exists()
     for k in range(a.rounds):
         for kind in ("llama-server", "nanoserve",
@@ -271,69 +162,19 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 stop(proc)
             print(f"round {k + 1}: {kind} done", flush=True)
-    r["rss_mib"] = {}
+
+
+def resident_sets(a: argparse.Namespace, bins: Path, gguf: Path, url: str) -> dict[str, float]:
+    """`nanoserve serve`'s resident set after one request, MiB: with the GGUF's blocks
+    ("auto") and with float32 weights ("none")."""
+    rss: dict[str, float] = {}
     for q in ("auto", "none"):
         proc = serve("nanoserve", bins, gguf, a.port, a.isa, quantization=q, model=a.model)
         try:
-            r["rss_mib"][q] = rss_mib(url)
+            rss[q] = rss_mib(url)
         finally:
             stop(proc)
-    atomic_write_text(out / f"llamacpp_side_by_side_{label}_{a.isa}.json",
-                      json.dumps(r, indent=1) + "\n")
-    print(report(r))
-    return 0
-
-
-def report(r: dict[str, Any]) -> str:
-    nb, lb = r["nanoserve_bench"], r["llama_bench"]
-    lines = [
-        f"{r.get('model', 'smollm2')}, --isa {r.get('isa', 'native')}: nanoserve's "
-        f"{nb.get('isa', '?')} kernels",
-        *([f"llama.cpp: its {r['llamacpp_isa']} build measured, not --isa {r.get('isa')}'s: "
-           f"{r['llamacpp_fallback']}"] if r.get("llamacpp_fallback") else []),
-        f"batch-1 decode tok/s: nanoserve {nb['single_decode_tokens_per_s']}, llama-bench tg64 "
-        f"{lb['tg64']} ({nb['single_decode_tokens_per_s'] / lb['tg64']:.2f}x); bound "
-        f"{nb['bandwidth_bound_tokens_per_s']} ({nb['single_decode_tokens_per_s'] / nb['bandwidth_bound_tokens_per_s']:.0%} of it: "  # noqa: E501
-        f"{nb.get('weight_mbytes', '?')} MB at {nb['copy_gbytes_per_s']} GB/s)",
-        f"prefill: llama-bench pp128 {lb['pp128']} tok/s; 16 sequences' decode, prefill "
-        f"excluded: nanoserve {nb.get('batched_decode_tokens_per_s', '?')} tok/s, "
-        f"llama-batched-bench TG {r['llama_batched_bench']['tg_tok_s']} tok/s",
-        f"offline nanoserve bench --n {nb['requests']}: {nb['output_tokens_per_s']} output "
-        f"tok/s ({nb['output_tokens_per_s'] / r['llama_batched_bench']['tg_tok_s']:.2f}x "
-        f"llama-batched-bench's TG), {nb['fraction_of_mm_peak']:.0%} of a 2048 mm's "
-        f"{nb['mm2048_gflops']} GFLOP/s",
-        *([_int8_line(r["nanoserve_bench_int8"], r)] if "nanoserve_bench_int8" in r else []),
-        f"RSS after one request, MiB: nanoserve, the GGUF's blocks {r['rss_mib']['auto']}, "
-        f"float32 "
-        f"{r['rss_mib']['none']}",
-    ]
-    for what in ("online", "guidellm"):
-        runs = r.get(what)
-        if not runs:
-            continue
-        key = "output_tok_s" if what == "online" else "output_tok_per_s"
-        p99 = "ttft_p99_ms" if what == "online" else "ttft_ms_p99"
-        for c in (1, 16):
-            peer = runs[f"llama-server c{c}"]
-            mp = sum(x[key] for x in peer) / len(peer)
-            for kind in ("nanoserve", "nanoserve-int8"):
-                ours = runs.get(f"{kind} c{c}")
-                if not ours:
-                    continue
-                mo = sum(x[key] for x in ours) / len(ours)
-                lines.append(
-                    f"{what} {c} stream{'s' if c > 1 else ''}: {kind} {mo:.1f} tok/s, "
-                    f"llama-server {mp:.1f} ({mo / mp:.2f}x); p99 TTFT ms "
-                    f"{[round(x[p99]) for x in ours]} vs {[round(x[p99]) for x in peer]}")
-    return "\n".join(lines)
-
-
-def _int8_line(nb: dict[str, Any], r: dict[str, Any]) -> str:
-    tg = r["llama_batched_bench"]["tg_tok_s"]
-    return (f"offline with --int8-activations: {nb['output_tokens_per_s']} output tok/s "
-            f"({nb['output_tokens_per_s'] / tg:.2f}x llama-batched-bench's TG; "
-            f"{nb['output_tokens_per_s'] / r['nanoserve_bench']['output_tokens_per_s']:.2f}x "
-            f"the exact path)")
+    return rss
 
 
 if __name__ == "__main__":

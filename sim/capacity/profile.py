@@ -68,6 +68,30 @@ class Measured:
     seconds: float  # median over reps
 
 
+def cell_engine(model: Model, tokenizer: Tokenizer, ids: Callable[[int], list[int]],
+                decode: int, context: int, *, steps: int, longest: int, pmax: int,
+                block_size: int, warmup: int) -> Engine:
+    """The engine of one (D, C) cell: `decode` rows of `context` random prompt tokens (from
+    `ids`) prefilled to their first token and stepped `warmup` times, none of it timed, in a
+    pool sized for `steps` more steps of them beside a prompt of `longest` tokens."""
+    d, c = decode, context
+    blocks = (d * (c + steps) + longest) // block_size + 16 + d
+    ctx = min(model.config.max_position_embeddings, blocks * block_size)
+    config = EngineConfig(block_size=block_size, num_blocks=blocks, max_model_len=ctx,
+                          max_num_seqs=d + 1, max_num_batched_tokens=max(d + pmax, 512),
+                          prefix_caching=False)
+    eng = Engine(model, tokenizer, config)
+    # Long enough to keep decoding through every timed step of this cell.
+    long = SamplingParams(temperature=0, ignore_eos=True, max_tokens=ctx - c)
+    rows = {eng.add_request(ids(c), long) for _ in range(d)}
+    started: set[str] = set()
+    while started != rows:  # the D rows' prefill, to each row's first token: not timed
+        started.update(u.request_id for u in eng.step().updates)
+    for _ in range(warmup):
+        eng.step()
+    return eng
+
+
 def measure_grid(model: Model, tokenizer: Tokenizer, grid: Mapping[str, Sequence[int]], *,
                  reps: int = 5, warmup: int = 2, block_size: int = 16,
                  timer: Callable[[], float] = time.perf_counter,
@@ -89,20 +113,8 @@ def measure_grid(model: Model, tokenizer: Tokenizer, grid: Mapping[str, Sequence
         steps = reps * (len(grid["prefill"]) + 1) + warmup + 8
         offsets = grid.get("chunk_offsets", ()) if d == 0 else ()
         longest = max([pmax, *(o + chunk for o in offsets)])
-        blocks = (d * (c + steps) + longest) // block_size + 16 + d
-        ctx = min(model.config.max_position_embeddings, blocks * block_size)
-        config = EngineConfig(block_size=block_size, num_blocks=blocks, max_model_len=ctx,
-                              max_num_seqs=d + 1, max_num_batched_tokens=max(d + pmax, 512),
-                              prefix_caching=False)
-        eng = engines[d, c] = Engine(model, tokenizer, config)
-        # Long enough to keep decoding through every timed step of this cell.
-        long = SamplingParams(temperature=0, ignore_eos=True, max_tokens=ctx - c)
-        rows = {eng.add_request(ids(c), long) for _ in range(d)}
-        started: set[str] = set()
-        while started != rows:  # the D rows' prefill, to each row's first token: not timed
-            started.update(u.request_id for u in eng.step().updates)
-        for _ in range(warmup):
-            eng.step()
+        engines[d, c] = cell_engine(model, tokenizer, ids, d, c, steps=steps, longest=longest,
+                                    pmax=pmax, block_size=block_size, warmup=warmup)
     samples: dict[tuple[int, int, int], list[tuple[float, StepResult]]] = {}
     # Rep by rep over every cell, and within a cell over the prompt sizes in turn: a shared
     # host's speed drifts by several percent over minutes, and measuring a cell's reps

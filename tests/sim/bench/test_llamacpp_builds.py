@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from sim.bench import llamacpp
-from sim.bench.llamacpp import model_arg, model_label, probe, report, working_build
+from sim.bench import llamacpp_build
+from sim.bench.llamacpp import model_arg, model_label
+from sim.bench.llamacpp_build import probe, working_build
+from sim.bench.llamacpp_report import report
 
 
 def _fake_build(folder: Path, body: str) -> Path:
@@ -36,7 +38,7 @@ def test_a_native_build_that_dies_gives_way_to_the_avx2_one(
 ) -> None:
     builds = {"native": _fake_build(tmp_path / "native", "kill -ILL $$"),
               "avx2": _fake_build(tmp_path / "avx2", "exit 0")}
-    monkeypatch.setattr(llamacpp, "build", builds.__getitem__)
+    monkeypatch.setattr(llamacpp_build, "build", builds.__getitem__)
     bins, isa, why = working_build("native", tmp_path / "m.gguf")
     assert (bins, isa) == (builds["avx2"], "avx2")
     assert why is not None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sim.bench.llamacpp import report
+from sim.bench.llamacpp_report import report
 
 
 def _online(tok_s: float, p99: float) -> dict[str, float]:
