@@ -37,7 +37,7 @@ replay *args: setup
 
 # Time the capacity simulator on 10,000 requests (flags: --cost COST.json, --n, --rate).
 capacity-bench *args: setup
-    {{py}} -m sim.capacity.bench {{args}}
+    {{py}} -m sim.bench.capacity_speed {{args}}
 
 # Online serving figures: `sim bench` at 16 streaming clients against `nanoserve serve`
 # (SmolLM2) and, once `just peer-setup` has run, against `transformers serve` on the same

@@ -24,16 +24,15 @@ from typing import Any
 
 from nanoserve import flags
 from nanoserve.config import ConfigError
-from sim.bench import cli as bench_cli
-from sim.capacity import cli as capacity_cli
-from sim.capacity import profile, validate
+from sim.bench import bench_command
+from sim.capacity import capacity_commands, profile, validate
 from sim.cli_util import engine_overrides, guarded, tokenizer
 from sim.load import spec as load_spec
 from sim.load.azure import convert_azure, read_azure_csv
 from sim.load.spec import load_spec_from_pairs, split_load_spec
 from sim.load.synthetic import generate_load
 from sim.record import proxy_cli
-from sim.replay import cli as replay_cli
+from sim.replay import replay_command
 from sim.soak import run as soak
 from sim.trace.write import write_trace
 
@@ -51,10 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd")
     _add_convert(sub)
     _add_load(sub)
-    bench_cli.add_parser(sub)
-    replay_cli.add_parser(sub)
+    bench_command.add_parser(sub)
+    replay_command.add_parser(sub)
     proxy_cli.add_parser(sub)
-    capacity_cli.add_parser(sub)
+    capacity_commands.add_parser(sub)
     profile.add_parser(sub)
     validate.add_parser(sub)
     soak.add_parser(sub)

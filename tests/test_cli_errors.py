@@ -34,8 +34,8 @@ MAINS: dict[str, Callable[[list[str]], int]] = {"nanoserve": nanoserve_cli.main,
                                                 "sim": sim_cli.main}
 # What each command would do once its flags pass: reaching any of these is a failed row.
 WORK = ["trio.run", "nanoserve.bench._load", "nanoserve.llm.LLM", "nanoserve.model.load",
-        "sim.capacity.cli.plan_capacity", "sim.capacity.validate.run_validate",
-        "sim.replay.cli.replay", "sim.cli.write_trace"]
+        "sim.capacity.capacity_commands.plan_capacity", "sim.capacity.validate.run_validate",
+        "sim.replay.replay_command.replay", "sim.cli.write_trace"]
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MEMORY = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 NOT_A_FILE_INLINE = "(a template given inline holds {{ or {%)"
@@ -361,7 +361,7 @@ def test_real_commands_print_the_same_one_line(argv: list[str], line: str, tmp: 
 @pytest.mark.parametrize(("main", "argv", "where", "prefix"), [
     (nanoserve_cli.main, ["bench", "--model", "stub"], "nanoserve.bench.run",
      "nanoserve bench: error: "),
-    (sim_cli.main, ["replay", "traces/burst16.jsonl"], "sim.replay.cli.replay",
+    (sim_cli.main, ["replay", "traces/burst16.jsonl"], "sim.replay.replay_command.replay",
      "sim replay: traces/burst16.jsonl: "),
 ])
 def test_tensor_parallel_ranks_that_never_start_are_one_line_from_bench_and_replay(

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import trio
 
-from sim.bench.stats import RequestRecord
+from sim.bench.records import RequestRecord
 from sim.http.sse import Chunk, SseParser, read_chunk
 
 Now = Callable[[], float]

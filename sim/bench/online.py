@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 import trio
 
-from sim.bench import cli as bench_cli
+from sim.bench import bench_command
 from sim.files import atomic_write_text
 
 ROWS = [  # (label, summary key, distribution key or None)
@@ -69,17 +69,17 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 def bench(argv: list[str]) -> dict[str, Any]:
     p = argparse.ArgumentParser()
-    bench_cli.add_parser(p.add_subparsers())
-    result: dict[str, Any] = trio.run(bench_cli.run_bench, p.parse_args(["bench", *argv]))
-    print(bench_cli.format_summary(result), flush=True)
+    bench_command.add_parser(p.add_subparsers())
+    result: dict[str, Any] = trio.run(bench_command.run_bench, p.parse_args(["bench", *argv]))
+    print(bench_command.format_summary(result), flush=True)
     return result
 
 
 def prefix_test(url: str, max_ratio: float) -> dict[str, Any]:
     p = argparse.ArgumentParser()
-    bench_cli.add_parser(p.add_subparsers())
+    bench_command.add_parser(p.add_subparsers())
     a = p.parse_args(["bench", "--url", url, "--prefix-test", "--max-ratio", str(max_ratio)])
-    res, _, _ = trio.run(bench_cli.run_prefix, a)
+    res, _, _ = trio.run(bench_command.run_prefix, a)
     out: dict[str, Any] = res.to_json()
     print(f"prefix test: cold TTFT {out['cold_ttft_ms']} ms, warm {out['warm_ttft_ms']} ms, "
           f"median warm / cold {out['ratio']} (must be <= {max_ratio})", flush=True)

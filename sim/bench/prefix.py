@@ -25,7 +25,7 @@ import httpx
 import trio
 
 from sim.bench.client import BenchRequest, Now, prepare_body, send_one
-from sim.bench.stats import RequestRecord
+from sim.bench.records import RequestRecord
 from sim.load.azure import PromptSynth
 
 CHAT = "/v1/chat/completions"

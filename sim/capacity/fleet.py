@@ -67,7 +67,7 @@ class Record:
             n = len(u.new_token_ids)
             self.output_tokens += n
             # A time per token: a checked proposal's kept tokens arrive in one update, and
-            # TPOT and ITL count tokens (metrics.py), as `sim bench` does. One is the usual
+            # TPOT and ITL count tokens (summary.py), as `sim bench` does. One is the usual
             # case, once per simulated token: an append, not a list made to extend with.
             if n == 1:
                 self.token_times.append(t)

@@ -38,9 +38,9 @@ from sim.capacity.acceptance import acceptance
 from sim.capacity.calibrate import machine_speed, steal_seconds
 from sim.capacity.cost import CostModel
 from sim.capacity.fleet import Record, SimResult
-from sim.capacity.metrics import summarize
 from sim.capacity.plan import flat
 from sim.capacity.routers import Router
+from sim.capacity.summary import summarize
 from sim.load.workload import SimRequest, Workload
 
 

@@ -26,7 +26,7 @@ from nanoserve.model.stub import STUB_CONTEXT, StubModel
 from nanoserve.tokenizer import Tokenizer
 from sim.capacity.cost import CostModel
 from sim.capacity.fleet import SimResult, simulate
-from sim.capacity.metrics import Slo, summarize
+from sim.capacity.summary import Slo, summarize
 from sim.load.workload import Workload
 
 CAPACITY_FORMAT = 1

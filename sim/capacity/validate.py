@@ -49,10 +49,10 @@ from sim.capacity.calibrate import geometric_mean, scaled
 from sim.capacity.cost import CostModel, load_cost_model
 from sim.capacity.fleet import SimResult, simulate
 from sim.capacity.measured import Measured, agreement, measure_runs
-from sim.capacity.metrics import summarize
 from sim.capacity.plan import default_num_blocks, flat, stub_model
 from sim.capacity.profile import machine_info, set_threads, torch_threads
 from sim.capacity.routers import ROUTERS
+from sim.capacity.summary import summarize
 from sim.cli_util import add_trace_args, engine_config, guarded, trace_options
 from sim.files import atomic_write_text
 from sim.load.spec import parse_load_spec

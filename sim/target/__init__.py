@@ -9,5 +9,5 @@
     traces.py    a trace's client behaviour replayed there, and its checks
     outcome.py   pass, fail (with evidence) or unsupported; the report
     run.py       the checks in turn, into one report
-    cli.py       the flags `sim replay` adds for it
+    target_command.py  the flags `sim replay` adds for it
 """

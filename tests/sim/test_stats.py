@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from sim.bench.stats import parse_slo as bench_slo
-from sim.capacity.metrics import parse_slo as capacity_slo
+from sim.bench.records import parse_slo as bench_slo
+from sim.capacity.summary import parse_slo as capacity_slo
 from sim.stats import parse_slo_items
 
 

@@ -24,10 +24,10 @@ import trio
 from support.http_harness import stub_parts
 from support.server_harness import live, make_engine
 
-from sim.bench import cli as bench_cli
+from sim.bench import bench_command
 from sim.bench.client import BenchRequest, make_client, prepare_body, run_load, send_one
 from sim.bench.prefix import prefix_requests, run_prefix_test
-from sim.bench.stats import RequestRecord, meets_slo, parse_slo, summarize
+from sim.bench.records import RequestRecord, meets_slo, parse_slo, summarize
 from sim.http.sse import SseParser, read_chunk
 from sim.load.azure import PromptSynth
 from sim.load.spec import parse_load_spec
@@ -153,7 +153,7 @@ def stub_requests(n: int, out: int, **spec: Any) -> list[BenchRequest]:
     pairs = ",".join(f"{k}={v}" for k, v in spec.items())
     load = parse_load_spec(f"n={n},rate=100,prompt=uniform:4:40,output=fixed:{out},{pairs}")
     trace = generate_load(load, stub_parts()[1])
-    return bench_cli.bench_requests(trace, model="stub", stream=True, extra=None)
+    return bench_command.bench_requests(trace, model="stub", stream=True, extra=None)
 
 
 def max_overlap(records: list[RequestRecord]) -> int:
@@ -204,12 +204,12 @@ async def test_open_loop_chat_and_hangup() -> None:
 
 async def test_bench_command_result_schema(tmp_path: Any) -> None:
     p = argparse.ArgumentParser()
-    bench_cli.add_parser(p.add_subparsers())
+    bench_command.add_parser(p.add_subparsers())
     async with live(make_engine()) as (url, _):
         a = p.parse_args(["bench", "--url", url, "--concurrency", "2", "--n", "3",
                           "--prompt", "fixed:8", "--output", "fixed:5", "--slo", "e2e=60s",
                           "--details"])
-        result = await bench_cli.run_bench(a)
+        result = await bench_command.run_bench(a)
     result = json.loads(json.dumps(result))  # what --out writes
     assert set(result) == {"nanoserve_bench", "date", "label", "url", "model", "source",
                            "mode", "stream", "extra_body", "warmup", "loadavg_before",
@@ -221,12 +221,12 @@ async def test_bench_command_result_schema(tmp_path: Any) -> None:
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         assert set(s[key]) == {"mean", "p50", "p90", "p99"}
     assert [r["output_tokens"] for r in result["requests"]] == [5, 5, 5]
-    assert "ms" in bench_cli.format_summary(result)
+    assert "ms" in bench_command.format_summary(result)
 
 
 def test_source_errors(tmp_path: Any) -> None:
     p = argparse.ArgumentParser()
-    bench_cli.add_parser(p.add_subparsers())
+    bench_command.add_parser(p.add_subparsers())
     step = tmp_path / "step.jsonl"
     step.write_text('{"nanoserve_trace": 1, "clock": "step", "model": "stub", "engine": '
                     '{"block_size": 16, "num_blocks": 64, "max_num_seqs": 8, '
@@ -238,8 +238,8 @@ def test_source_errors(tmp_path: Any) -> None:
              (["--n", "3"], "needs a rate")]
     for args, message in cases:
         with pytest.raises(ValueError, match=message):
-            bench_cli.source(p.parse_args(["bench", *args]))
-    trace, how = bench_cli.source(p.parse_args(["bench", "--trace", str(step),
+            bench_command.source(p.parse_args(["bench", *args]))
+    trace, how = bench_command.source(p.parse_args(["bench", "--trace", str(step),
                                                 "--concurrency", "1"]))
     assert [r.id for r in trace.requests] == ["a"]
     assert how == f"trace {step}"

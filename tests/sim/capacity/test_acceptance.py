@@ -26,8 +26,8 @@ from sim.capacity.acceptance import TOLERANCE, acceptance, copy_prob_for
 from sim.capacity.cost import CostModel
 from sim.capacity.fleet import Record, simulate
 from sim.capacity.measured import drive_fleet
-from sim.capacity.metrics import latencies
 from sim.capacity.routers import Router
+from sim.capacity.summary import latencies
 from sim.capacity.validate import simulated
 from sim.cli import main
 from sim.load.workload import SimRequest, Workload, copy_workload, trace_workload

@@ -13,11 +13,11 @@ from support.tenants import tenants
 
 from nanoserve.config import EngineConfig
 from nanoserve.tokenizer import Tokenizer
-from sim.capacity.cli import plan_capacity
+from sim.capacity.capacity_commands import plan_capacity
 from sim.capacity.cost import CostModel
-from sim.capacity.metrics import measured, parse_slo
 from sim.capacity.plan import Plan, Planner
 from sim.capacity.report import dumps_report
+from sim.capacity.summary import measured, parse_slo
 from sim.cli import main
 from sim.load.spec import parse_load_spec
 from sim.load.workload import Workload, spec_workload

@@ -15,11 +15,11 @@ import pytest
 
 from nanoserve.config import EngineConfig
 from nanoserve.tokenizer import Tokenizer
-from sim.capacity.cli import plan_capacity
+from sim.capacity.capacity_commands import plan_capacity
 from sim.capacity.cost import CostModel
-from sim.capacity.metrics import parse_slo
 from sim.capacity.parallel import collect, run_task
 from sim.capacity.plan import Plan
+from sim.capacity.summary import parse_slo
 from sim.cli import main
 from sim.load.spec import parse_load_spec
 from sim.load.workload import spec_workload

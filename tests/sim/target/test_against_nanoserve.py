@@ -19,8 +19,7 @@ from nanoserve.bridge.clock import LiveClock
 from nanoserve.server import ServerConfig, create_app
 from sim import cli
 from sim.http.loopback import hypercorn_on_loopback
-from sim.target import checks, load, pacing, wire
-from sim.target import cli as target_cli
+from sim.target import checks, load, pacing, target_command, wire
 from sim.target.outcome import Outcome, Report
 from sim.target.target import Target
 
@@ -63,7 +62,7 @@ def test_a_failing_check_exits_1_and_a_missing_target_2(monkeypatch: pytest.Monk
                                                     ({"why": "off by one"},))])
 
     with monkeypatch.context() as m:
-        m.setattr(target_cli, "run", one_fail)
+        m.setattr(target_command, "run", one_fail)
         assert cli.main(["replay", "--target", "http://x", "--scenarios"]) == 1
     out = capsys.readouterr().out
     assert "usage  fail         1 disagreement" in out

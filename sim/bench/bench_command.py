@@ -10,7 +10,7 @@ sent at their arrival times (open loop) or, with `--concurrency N`, by N clients
 loop. Every body is sent to the server's own model name (`--model`, or the first of
 /v1/models) and streamed unless `--no-stream`; `--extra-body JSON` merges keys into every
 body, a null removing one (a peer that rejects vLLM's `ignore_eos` gets
-`{"ignore_eos": null, ...}`). Metric definitions: sim.bench.stats.
+`{"ignore_eos": null, ...}`). Metric definitions: sim.bench.records.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from sim.bench.client import (
     served_model,
 )
 from sim.bench.prefix import PrefixResult, fresh_seed, prefix_requests, run_prefix_test
-from sim.bench.stats import parse_slo, summarize
+from sim.bench.records import parse_slo, summarize
 from sim.cli_util import add_trace_args, guarded, tokenizer, trace_options
 from sim.files import atomic_write_text
 from sim.load.azure import PromptSynth

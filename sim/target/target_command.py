@@ -1,4 +1,4 @@
-"""The `--target` half of `sim replay`'s command line (sim/replay/cli.py adds the flags):
+"""The `--target` half of `sim replay`'s command line (sim/replay/replay_command.py adds the flags):
 run the checks at a server, print the table, write `--report` (JSON, and the table beside
 it as FILE.txt). Exit status: 0 when no check failed, 1 when one did, 2 when the target or a
 trace cannot be used at all.

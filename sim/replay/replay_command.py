@@ -21,7 +21,7 @@ from nanoserve import flags
 from nanoserve.model.base import ModelStartError
 from sim.files import atomic_open
 from sim.replay.run import ReplayError, ReplayResult, replay
-from sim.target import cli as target_cli
+from sim.target import target_command
 from sim.trace.loader import TraceError, load_trace
 from sim.trace.write import write_trace
 
@@ -49,13 +49,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--cost", type=flags.input_file, metavar="FILE",
                    help="step-cost model for virtual-clock traces "
                    "(default: the header's cost_model, else a constant per step)")
-    target_cli.add_flags(p)
+    target_command.add_flags(p)
     p.set_defaults(main=_main)
 
 
 def _main(a: argparse.Namespace) -> int:
     if a.target:
-        return target_cli.main(a)
+        return target_command.main(a)
     if a.scenarios or a.report:
         print("sim replay: --scenarios and --report go with --target", file=sys.stderr)
         return 2

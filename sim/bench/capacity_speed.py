@@ -1,7 +1,7 @@
 """The simulator's own speed: 10,000 requests on the engine-level virtual clock.
 
-    python -m sim.capacity.bench [--cost COST.json] [--n 10000] [--rate R]
-                                 [--trace FILE [--own-times]]
+    python -m sim.bench.capacity_speed [--cost COST.json] [--n 10000] [--rate R]
+                                        [--trace FILE [--own-times]]
 
 Prompts uniform 32..512 tokens, outputs uniform 16..256, Poisson arrivals at saturation,
 max_num_seqs 64; or, with --trace, the first N requests of a trace file (any format
@@ -33,7 +33,7 @@ SYNTHETIC = CostModel((0.03, 2e-4, 1e-3, 3e-3, 1e-6, 1e-8, 5e-3, 0.0, 0.0, 0.0),
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m sim.capacity.bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m sim.bench.capacity_speed", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cost", metavar="COST.json")
     p.add_argument("--n", type=int, default=10_000)

@@ -32,10 +32,10 @@ from nanoserve.tokenizer import Tokenizer
 from sim.capacity.acceptance import MEASURED, acceptance_arg, speculation_inputs
 from sim.capacity.cost import load_cost_model
 from sim.capacity.fleet import ROUTERS
-from sim.capacity.metrics import parse_slo
 from sim.capacity.parallel import ParallelPlanner, make_executor
 from sim.capacity.plan import Plan, Planner, default_num_blocks
 from sim.capacity.report import build_report, dumps_report, table, write_csv, write_plots
+from sim.capacity.summary import parse_slo
 from sim.cli_util import (
     ENGINE_KEYS,
     add_trace_args,
