@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import fields
 from typing import Any
 
 from nanoserve.config import EngineConfig, SpeculativeConfig
 from nanoserve.engine.engine import Engine
 from nanoserve.engine.outputs import OutputBuilder, RequestOutput
-from nanoserve.model import Model, load
+from nanoserve.model import LoadOptions, Model, load
 from nanoserve.progress import bar
 from nanoserve.sampling.params import SamplingParams
 from nanoserve.tokenizer import Tokenizer
@@ -21,20 +22,13 @@ class LLM:
         self,
         model: str = "smollm2",
         *,
-        device: str = "cpu",
-        dtype: str = "float32",
-        stub_eos_prob: float = 0.0,
-        quantization: str = "auto",
-        tensor_parallel_size: int = 1,
-        distributed_backend: str = "auto",
-        tp_exact: bool = False,
-        distributed_timeout: float | None = None,
-        distributed_heartbeat_timeout: float | None = None,
-        int8_activations: bool = False,
         speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
-        **engine_kwargs: Any,
+        **kwargs: Any,
     ) -> None:
-        """`tensor_parallel_size` > 1 shards the weights over that many processes
+        """`kwargs`: LoadOptions' fields (model/options.py: device, dtype, quantization,
+        tensor_parallel_size, ...) and EngineConfig's (config.py: num_blocks, max_num_seqs,
+        ...), by name, as vLLM's LLM takes them; any other name is a TypeError.
+        `tensor_parallel_size` > 1 shards the weights over that many processes
         (nanoserve.model.parallel); `close()` stops them (they also stop at exit). They are
         fresh interpreters, so a script needs no `if __name__ == "__main__":` guard.
         `distributed_timeout`: seconds they may take to start (default 600);
@@ -44,12 +38,8 @@ class LLM:
         faster and no longer token-identical.
         `speculative_config`: vLLM's (a dict, as its JSON), or a SpeculativeConfig:
         speculative decoding (engine/speculative.py), the same tokens in fewer steps."""
-        m, tok = load(model, device=device, dtype=dtype, stub_eos_prob=stub_eos_prob,
-                      quantization=quantization, tensor_parallel_size=tensor_parallel_size,
-                      distributed_backend=distributed_backend, tp_exact=tp_exact,
-                      distributed_timeout=distributed_timeout,
-                      distributed_heartbeat_timeout=distributed_heartbeat_timeout,
-                      int8_activations=int8_activations)
+        options, engine_kwargs = _split(kwargs)
+        m, tok = load(model, options)
         if isinstance(speculative_config, dict):
             speculative_config = SpeculativeConfig.parse(speculative_config)
         self.engine = Engine(m, tok, EngineConfig(speculative=speculative_config,
@@ -114,3 +104,17 @@ class LLM:
         params: SamplingParams | None = None,
     ) -> RequestOutput:
         return self.generate(self.tokenizer.encode_chat(messages), params)[0]
+
+
+def _split(kwargs: Mapping[str, Any]) -> tuple[LoadOptions, dict[str, Any]]:
+    """`LLM(...)`'s keywords as the model's LoadOptions and the rest, EngineConfig's: by the
+    two dataclasses' field names, so that neither list is written out again here. A name
+    that is neither's is refused before anything loads."""
+    load_names = {f.name for f in fields(LoadOptions)}
+    # EngineConfig's `speculative` is given as vLLM's `speculative_config`, never by its name.
+    engine_names = {f.name for f in fields(EngineConfig)} - {"speculative"}
+    unknown = sorted(set(kwargs) - load_names - engine_names)
+    if unknown:
+        raise TypeError(f"LLM() got an unexpected keyword argument {unknown[0]!r}")
+    return (LoadOptions(**{k: v for k, v in kwargs.items() if k in load_names}),
+            {k: v for k, v in kwargs.items() if k not in load_names})

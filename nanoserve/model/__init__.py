@@ -1,11 +1,16 @@
 """Models behind one protocol (base.py): real Llama weights and the weightless stub.
 
     llama.py      the Llama forward over the paged KV cache; attention.py its attention
+    self_attention.py  a layer's attention in the layer loop: qkv, norms, RoPE, attend, o
     placement.py  a checkpoint's tensors placed for the forward: fused, float32 or quantized
     step.py       one step's inputs to the forward: index tensors, RoPE rows, attention plan
     quant.py      quantized weights (GGUF blocks) and their projections
-    native.py     the build of csrc/, the CPU kernels (layers, attention, quantized, 8-bit
-                  decode, stack), once per instruction set, and the run-time choice among them
+    options.py    LoadOptions: how `load` loads a model (device, dtype, quantization, TP)
+    native.py     the CPU kernels (layers, attention, quantized, 8-bit decode, stack), once
+                  per instruction set, and the run-time choice among them; built by
+                  native_build.py (csrc/ compiled, cached by digest); isa_support.py which
+                  sets a CPU runs, isa_timing.py what `auto` times, isa_choice.py its choice
+                  kept as JSON
     cpu.py        what the CPU advertises and the OS has enabled (XCR0), oneDNN held to it
     cache.py      where converted models and built kernels are kept
     ops.py        a layer's elementwise parts: one native kernel each, or stock PyTorch ops
@@ -26,69 +31,54 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from nanoserve.model.base import ForwardBatch, Model, ModelConfig
+from nanoserve.model.options import LoadOptions
 from nanoserve.tokenizer import Tokenizer
 
-__all__ = ["ForwardBatch", "Model", "ModelConfig", "kv_geometry", "load"]
+__all__ = ["ForwardBatch", "LoadOptions", "Model", "ModelConfig", "kv_geometry", "load"]
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_DEFAULTS = LoadOptions()  # load's default: one shared value (a frozen one)
 
 
-def load(
-    name: str,
-    *,
-    device: str = "cpu",
-    dtype: str = "float32",
-    stub_eos_prob: float = 0.0,
-    quantization: str = "auto",
-    tensor_parallel_size: int = 1,
-    distributed_backend: str = "auto",
-    tp_exact: bool = False,
-    distributed_timeout: float | None = None,
-    distributed_heartbeat_timeout: float | None = None,
-    int8_activations: bool = False,
-) -> tuple[Model, Tokenizer]:
+def load(name: str, options: LoadOptions = _DEFAULTS, **changes: Any
+         ) -> tuple[Model, Tokenizer]:
     """`smollm2` (the embedded model), `stub`, or a path to a Hugging Face Llama folder or a
-    GGUF file. The stub uses SmolLM2's tokenizer, so its text behaves like the real model's.
-    `quantization` (model/quant.py): `auto` keeps a GGUF's own block formats where kernels
-    exist, `none` dequantizes to float32, `q8_0`/`q4_0`/`q4_1` quantize to that format.
-    `tensor_parallel_size` > 1 shards the weights over that many processes (model/parallel/),
-    joined by `distributed_backend` (auto: nccl on CUDA, gloo on the CPU); `tp_exact` sums
-    the shards' partial outputs in rank order instead of by all-reduce (bitwise reproducible
-    against `parallel.emulate`). `distributed_timeout`: seconds the ranks may take to start
-    (and the process group's timeout); `distributed_heartbeat_timeout`: seconds of silence
-    after which a rank is taken as lost (None: parallel/group.py's defaults, 600 and 5).
-    `int8_activations` (model/int8.py): the layers' projections of 128 rows or more round
-    their activations to 8 bits, and so do batch-1 steps' projections and LM head
-    (csrc/q8dot.cpp): faster, and no longer token-identical (CPU, one process)."""
+    GGUF file, loaded as `options` say (model/options.py) with `changes` made to them by
+    field name (`load(name, device="cuda")`; an unknown name is a TypeError). The stub uses
+    SmolLM2's tokenizer, so its text behaves like the real model's."""
     from nanoserve.model.loader import EMBEDDED, resolve_model
     from nanoserve.model.weights import check_choices, llama_weights, torch_dtype
 
-    check_choices(dtype, quantization)
-    if int8_activations and (name == "stub" or tensor_parallel_size != 1 or device != "cpu"):
+    o = replace(options, **changes) if changes else options
+    check_choices(o.dtype, o.quantization)
+    if o.int8_activations and (name == "stub" or o.tensor_parallel_size != 1
+                               or o.device != "cpu"):
         raise ValueError("int8_activations: runs on real weights on the CPU, in one process "
                          "(not with the stub, tensor parallelism or another device)")
     if name == "stub":
-        return _stub(device, stub_eos_prob, tensor_parallel_size)
+        return _stub(o.device, o.stub_eos_prob, o.tensor_parallel_size)
     folder = resolve_model(name) if name in EMBEDDED else resolve_model(str(Path(name)))
     tok = Tokenizer.from_folder(folder)
-    if tensor_parallel_size != 1:
+    if o.tensor_parallel_size != 1:
         from nanoserve.model.parallel import LoadSpec, TensorParallelModel
 
-        spec = LoadSpec(name, device, dtype, quantization)
-        timeouts = {k: v for k, v in (("timeout_s", distributed_timeout),
-                                      ("heartbeat_timeout_s", distributed_heartbeat_timeout))
+        spec = LoadSpec(name, o.device, o.dtype, o.quantization)
+        timeouts = {k: v for k, v in (("timeout_s", o.distributed_timeout),
+                                      ("heartbeat_timeout_s", o.distributed_heartbeat_timeout))
                     if v is not None}
-        return TensorParallelModel(spec, tensor_parallel_size, backend=distributed_backend,
-                                   exact=tp_exact, **timeouts), tok
+        return TensorParallelModel(spec, o.tensor_parallel_size, backend=o.distributed_backend,
+                                   exact=o.tp_exact, **timeouts), tok
     from nanoserve.model.llama import LlamaModel
 
-    config, weights = llama_weights(name, device=device, dtype=dtype,
-                                    quantization=quantization)
-    model = LlamaModel(config, weights, device=device, dtype=torch_dtype(dtype))
-    if int8_activations:
+    config, weights = llama_weights(name, device=o.device, dtype=o.dtype,
+                                    quantization=o.quantization)
+    model = LlamaModel(config, weights, device=o.device, dtype=torch_dtype(o.dtype))
+    if o.int8_activations:
         from nanoserve.model.int8 import CALIBRATION_TEXT, attach, int8_projections
 
         attach(model, int8_projections(model.layers), tok.encode(CALIBRATION_TEXT))

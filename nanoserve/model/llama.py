@@ -17,22 +17,13 @@ from safetensors.torch import load_file
 
 from nanoserve.model import native, ops
 from nanoserve.model.architectures import text_weights
-from nanoserve.model.attention import (
-    DECODE_GROUP_BYTES,
-    NATIVE_HEAD_DIMS,
-    AttentionPlan,
-    attend,
-)
+from nanoserve.model.attention import DECODE_GROUP_BYTES, NATIVE_HEAD_DIMS
 from nanoserve.model.base import ForwardBatch, ModelConfig
 from nanoserve.model.linear import mkl_packing_available
 from nanoserve.model.loader import ensure_float_weights, load_model_config
-from nanoserve.model.placement import (
-    LayerWeights,
-    Placement,
-    decode_stack_weights,
-    place_weights,
-)
+from nanoserve.model.placement import Placement, decode_stack_weights, place_weights
 from nanoserve.model.quant import QuantProj, QuantWeight
+from nanoserve.model.self_attention import self_attention
 from nanoserve.model.step import StepPlan, plan_step, rope_tables
 
 
@@ -195,7 +186,8 @@ class LlamaModel:
             else:
                 h = ops.rms_norm(x, self.layers[0].attn_norm, eps, native=nat)
                 for i, layer in enumerate(self.layers):
-                    a = reduce(self._attention(layer, h, cache[i], plan, plan.attention_for(i)))
+                    a = reduce(self_attention(self.config, layer, h, cache[i], plan,
+                                              plan.attention_for(i), self.kernels, nat))
                     a = ops.norm_if(a, layer.post_attn_norm, eps, native=nat)
                     h = ops.add_rms_norm(x, a, layer.mlp_norm, eps, native=nat)  # x += a
                     m = reduce(layer.down(ops.gate_mul(layer.gate_up(h), gelu=gelu,
@@ -234,26 +226,3 @@ class LlamaModel:
             assert self.embed is not None
             x = F.embedding(ids, self.embed)
         return x if self.embed_scale is None else x.mul_(self.embed_scale)
-
-    def _attention(
-        self,
-        layer: LayerWeights,
-        h: torch.Tensor,  # [T, hidden]
-        kv: torch.Tensor,  # [2, slots, KV, D]: this layer's K and V cache
-        plan: StepPlan,
-        attention: AttentionPlan,  # full, or windowed on a sliding-window layer
-    ) -> torch.Tensor:
-        c = self.config
-        shape = (c.num_heads, c.num_kv_heads, c.head_dim)
-        qkv = layer.qkv(h)
-        if layer.qkv_bias is not None:
-            qkv += layer.qkv_bias
-        if layer.q_norm is not None and layer.k_norm is not None:
-            ops.norm_qk_heads(qkv, shape, layer.q_norm, layer.k_norm, c.rms_norm_eps,
-                              native=self.kernels if self.native_layers else None)
-        cos, sin = plan.rope(layer.local_rope)
-        q, k, v = ops.rope_store(qkv, shape, cos, sin, plan.positions,
-                                 plan.slot_mapping, kv[0], kv[1],
-                                 native=self.kernels if self.native_layers else None)
-        out = attend(q, k, v, kv[0], kv[1], attention, self.kernels)  # [T, H, D]
-        return layer.o(out.view(h.shape[0], -1))  # [T, hidden]

@@ -32,7 +32,8 @@
     jobs.py      requests in flight: merged streams, queue limit, drain on shutdown
     metrics.py   /metrics through prometheus_client
     hypercorn_fixes.py  HTTP/2 send race, reason phrases (installed before serving)
-    main.py      `nanoserve serve`: arguments, weights loading, Hypercorn, signals
+    main.py      `nanoserve serve`: its configs, weights loading, Hypercorn, signals
+    serve_flags.py  `nanoserve serve`'s flags, in --help's groups
 
 This layer sits on `bridge.AsyncEngine` and never touches the engine while it steps.
 """

@@ -18,6 +18,11 @@ Two more lines measure what llama.cpp's benchmarks measure, for a side by side o
 terms (sim/bench/llamacpp.py): batch-1 decode (`llama-bench -n`), and 16 sequences of
 128-token prompts decoding 64 tokens with the prefill excluded (`llama-batched-bench`'s TG).
 The first line names the instruction set the kernels run (NANOSERVE_ISA forces one).
+
+    __init__.py    run(): the checks, the load, the workload's run and every line's report
+    args.py        the command's flags, and the workload they draw (hf_peer.py's)
+    yardsticks.py  what the figures are measured against: mm FLOP/s, read and copy speed
+    decode.py      batch-1 and batched decode, and a batch-1 step's engine overhead
 """
 
 from __future__ import annotations
@@ -25,226 +30,30 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import random
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from nanoserve import flags
-from nanoserve.config import ConfigError, EngineConfig, SpeculativeConfig, speculative_config_arg
-from nanoserve.engine.engine import Engine
+from nanoserve.bench.args import add_args as add_args  # cli.py's
+from nanoserve.bench.args import workload
+from nanoserve.bench.decode import Figures, batched_decode, single_stream, step_overhead
+from nanoserve.bench.yardsticks import copy_bandwidth, mm_flops, read_bandwidth, weight_numel
+from nanoserve.config import ConfigError, EngineConfig, SpeculativeConfig
 from nanoserve.engine.outputs import EngineStats
 from nanoserve.llm import LLM
-from nanoserve.model import Model, load
-from nanoserve.model.native import Kernels
+from nanoserve.model import LoadOptions, Model, load
 from nanoserve.model.preflight import check_device, check_int8_activations, check_model
-from nanoserve.model.quant import CHOICES
 from nanoserve.sampling.params import SamplingParams
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.workloads import copy_prompts
 
-Figures = dict[str, float | int | str]  # a run's figures by name, as the JSON line prints them
-
-
-def workload(
-    seed: int, n: int, vocab_size: int, prompt_min: int, prompt_max: int, out_min: int, out_max: int
-) -> list[tuple[list[int], int]]:
-    rng = random.Random(seed)
-    reqs = []
-    for _ in range(n):
-        prompt_len = rng.randint(prompt_min, prompt_max)
-        prompt = [rng.randrange(100, vocab_size - 100) for _ in range(prompt_len)]
-        reqs.append((prompt, rng.randint(out_min, out_max)))
-    return reqs
-
-
-def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--n", type=flags.positive_int, default=32)
-    p.add_argument("--seed", type=flags.int64, default=0)
-    p.add_argument("--prompt-min", type=flags.positive_int, default=16)
-    p.add_argument("--prompt-max", type=flags.positive_int, default=256)
-    p.add_argument("--out-min", type=flags.positive_int, default=16)
-    p.add_argument("--out-max", type=flags.positive_int, default=128)
-    p.add_argument("--max-num-seqs", type=flags.positive_int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=flags.positive_int, default=512)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--quantization", default="auto", choices=CHOICES,
-                   help="auto: the GGUF's own blocks; none: float32 (see nanoserve serve)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=flags.positive_int, default=1,
-                   help="shard the weights over N processes (serve's flag) [1]")
-    p.add_argument("--int8-activations", action="store_true",
-                   help="8-bit activations in projections of 128+ rows and of one row "
-                   "(serve's flag)")
-    p.add_argument("--pack", choices=("auto", "on", "off"), default="auto",
-                   help="pre-packed MKL weights (auto: wherever available)")
-    p.add_argument("--profile", action="store_true",
-                   help="print where the run's CPU time goes, by operator (slows the run)")
-    p.add_argument("--single-tokens", type=flags.non_negative_int, default=64,
-                   help="output tokens of the batch-1 decode measurement (0 skips it)")
-    p.add_argument("--batched-seqs", type=flags.non_negative_int, default=16,
-                   help="sequences of the batched decode measurement, 128-token prompts and "
-                        "64 tokens out, prefill excluded: llama-batched-bench's TG (0 skips)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar (shown on a terminal)")
-    p.add_argument("--speculative-config", type=speculative_config_arg, default=None,
-                   help="speculative decoding, as serve's flag (vLLM's JSON); the run then "
-                   "prints its acceptance and tokens a step")
-    p.add_argument("--workload", choices=("random", "copy"), default="random",
-                   help="random: --n prompts of random tokens; copy: nanoserve/workloads.py's "
-                   "36 prompts whose answers copy from them, --out-max tokens each")
-
-
-def _best_of(fn: Callable[[], object], times: int) -> float:
-    fn()  # warm-up: first-touch page faults and kernel selection
-    best = float("inf")
-    for _ in range(times):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def mm_flops(n: int = 2048) -> float:
-    """FLOP/s of one n x n float32 matmul: the compute yardstick."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    return 2 * n**3 / _best_of(lambda: torch.mm(a, b), 5)
-
-
-def copy_bandwidth(nbytes: int = 256 << 20) -> float:
-    """Bytes/s moved (read plus write) by copying a tensor far larger than any cache."""
-    src = torch.ones(nbytes // 4)
-    dst = torch.empty_like(src)
-    return 2 * nbytes / _best_of(lambda: dst.copy_(src), 5)
-
-
-def last_level_cache_bytes() -> int:
-    """The largest CPU cache's size (Linux's sysfs: "32768K"), or 0 where it does not tell."""
-    sizes = [0]
-    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            text = f.read_text(encoding="ascii").strip()
-            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[text[-1]] if text[-1] in "KMG" else 1
-            sizes.append(int(text.rstrip("KMG")) * scale)
-    return max(sizes)
-
-
-def read_bandwidth(nbytes: int, kernels: Kernels | None = None) -> float:
-    """Bytes/s read, with no writes, from a buffer of `nbytes`: what batch-1 decode does to
-    its weights. Read by the kernels' own threads, each a contiguous run of bytes
-    (csrc/quant.cpp's stream_read); by torch's sum where there are no kernels."""
-    buf = torch.ones(max(nbytes, 1 << 20) // 64 * 64, dtype=torch.uint8)
-    if kernels is not None:
-        return buf.numel() / _best_of(lambda: kernels.ops.stream_read(buf), 5)
-    floats = buf.view(torch.float32)
-    return buf.numel() / _best_of(lambda: floats.sum(), 5)
-
-
-def weight_numel(model: Model) -> int:
-    """Weights a token multiplies by: every layer's projections and the LM head (the
-    embedding is a row look-up). 2 FLOP and one read of each per token."""
-    c = model.config
-    attn = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-    attn += c.num_heads * c.head_dim * c.hidden_size
-    mlp = 3 * c.hidden_size * c.intermediate_size
-    return c.num_layers * (attn + mlp) + c.vocab_size * c.hidden_size
-
-
-class _TimedModel:
-    """A model whose forward passes (and greedy picks) are timed: what is left of a step is
-    the engine's Python around them (scheduling, batch building, sampling, detokenizing,
-    the stop rules)."""
-
-    def __init__(self, model: Model) -> None:
-        self._model = model
-        self.seconds = 0.0
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._model, name)
-
-    def _timed(self, fn: Callable[..., object], *args: object) -> object:
-        t0 = time.perf_counter()
-        try:
-            return fn(*args)
-        finally:
-            self.seconds += time.perf_counter() - t0
-
-    def forward(self, batch: object) -> object:
-        return self._timed(self._model.forward, batch)
-
-    def pick_greedy(self, batch: object) -> object:
-        return self._timed(self._model.pick_greedy, batch)
-
-
-def step_overhead(model: Model, tok: Tokenizer, prompt: list[int], n: int) -> Figures:
-    """Batch-1 decode steps split into the model's time and the engine's time around it,
-    ms per step (best of three runs of n - 1 decode steps, by step time)."""
-    timed = _TimedModel(model)
-    engine = Engine(timed, tok, EngineConfig())  # type: ignore[arg-type]  # a proxy
-    best: Figures = {}
-    best_step = float("inf")
-    for _ in range(3):
-        engine.add_request(prompt, SamplingParams(temperature=0.0, ignore_eos=True,
-                                                  max_tokens=n))
-        engine.step()  # the prefill
-        timed.seconds = 0.0
-        t0 = time.perf_counter()
-        while engine.has_unfinished():
-            engine.step()
-        step = (time.perf_counter() - t0) / (n - 1)
-        if step < best_step:
-            best_step = step
-            model_ms = timed.seconds / (n - 1) * 1e3
-            best = {"step_ms": round(step * 1e3, 3), "model_ms": round(model_ms, 3),
-                    "engine_ms": round(step * 1e3 - model_ms, 3),
-                    "engine_share": round(1 - model_ms / (step * 1e3), 3)}
-    return best
-
-
-def single_stream(model: Model, tok: Tokenizer, prompt: list[int], n: int,
-                  speculative: SpeculativeConfig | None = None) -> float:
-    """Decode tokens/s of one sequence alone (after its prefill step), in steady state: one
-    short decode first, untimed, as llama-bench warms up (right after the yardsticks' 512 MB
-    copy the first decode ran 20% slower: fresh pages and cold caches)."""
-    engine = Engine(model, tok, EngineConfig(speculative=speculative))
-    for tokens in (min(n, 8), n):
-        engine.add_request(prompt, SamplingParams(temperature=0.0, ignore_eos=True,
-                                                  max_tokens=tokens))
-        engine.step()  # the prefill, and the first token
-        t0 = time.perf_counter()
-        while engine.has_unfinished():
-            engine.step()
-        seconds = time.perf_counter() - t0
-    return (n - 1) / seconds
-
-
-def batched_decode(model: Model, tok: Tokenizer, seqs: int, prompt_len: int, n: int,
-                   seed: int = 0) -> float:
-    """Decode tokens/s of `seqs` sequences together, prefill excluded: llama-batched-bench's
-    TG figure (`-npp prompt_len -ntg n -npl seqs`). Every prompt is prefilled first (untimed),
-    then the decode-only steps after the first are timed and their tokens counted."""
-    rng = random.Random(seed)
-    engine = Engine(model, tok, EngineConfig(max_num_seqs=seqs,
-                                             max_num_batched_tokens=seqs * prompt_len))
-    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n)
-    for _ in range(seqs):
-        engine.add_request([rng.randrange(100, model.config.vocab_size - 100)
-                            for _ in range(prompt_len)], params)
-    while engine.step().num_prefill_tokens:  # untimed: the prefill, then one decode step
-        pass
-    decoded, t0 = 0, time.perf_counter()
-    while engine.has_unfinished():
-        decoded += sum(len(u.new_token_ids) for u in engine.step().updates)
-    return decoded / (time.perf_counter() - t0) if decoded else 0.0
-
 
 def _load(a: argparse.Namespace) -> tuple[Model, Tokenizer]:
     if a.pack == "auto" or a.model == "stub":
-        return load(a.model, device=a.device, dtype=a.dtype, quantization=a.quantization,
-                    tensor_parallel_size=a.tensor_parallel_size,
-                    int8_activations=a.int8_activations)
+        return load(a.model, LoadOptions(
+            device=a.device, dtype=a.dtype, quantization=a.quantization,
+            tensor_parallel_size=a.tensor_parallel_size, int8_activations=a.int8_activations))
     if a.int8_activations:
         raise ConfigError("--int8-activations runs with --pack auto")
     from nanoserve.model.llama import LlamaModel
@@ -408,6 +217,18 @@ def _single_line(model: Model, tok: Tokenizer, prompt: list[int], tokens: int,
             "bandwidth_bound_tokens_per_s": round(bound, 2),
             "bound_over_single": round(bound / single, 2),
             "share_of_bound": round(single / bound, 3)}
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache's size (Linux's sysfs: "32768K"), or 0 where it does not tell:
+    the batch-1 line reads DRAM through a buffer four times its size."""
+    sizes = [0]
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            text = f.read_text(encoding="ascii").strip()
+            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[text[-1]] if text[-1] in "KMG" else 1
+            sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes)
 
 
 def _batched_line(model: Model, tok: Tokenizer, seqs: int) -> Figures:
