@@ -3,29 +3,21 @@
     app.py       create_app(): the app around one engine; auth, errors
     lifespan.py  the engine task: started with the app, the weights loaded, stopped with it
     connection.py  the app's ASGI connection: how a response ends; the recorder's hook
-    config.py    ServerConfig: the settings serve's flags decide; state.py: the app's state
+    settings.py  ServerConfig: the settings serve's flags decide; state.py: the app's state
     recording.py the `serve --record` hook (the recorder comes from an entry point)
     generation.py  POST /v1/completions, POST /v1/chat/completions
-    responses_route.py  POST /v1/responses (stateless), on the chat machinery;
-                 responses_api.py its request as a chat request, responses_events.py the
-                 chat output as Responses events and object
+    body/        a request body, from bytes to SamplingParams and prompts: its models
+                 (validation and /openapi.json), its size limits, its 400s (its own map)
+    responses/   POST /v1/responses (stateless), on the chat machinery (its own map)
     tools/       tool calls and reasoning read out of the text (parsers by vLLM's names),
                  a request's tools planned and their constraints (plan.py, constrained.py)
     templates/   the built-in chat templates (`--chat-template chatml-tools`)
     admin.py     GET /health, /v1/models, /metrics; POST /tokenize, /detokenize
     openapi.py   GET /openapi.json: the OpenAPI 3.1 document of these routes
-    protocol.py  the request bodies as pydantic models: validation and /openapi.json
-    generation_models.py  the generation routes' bodies (the sampling fields, each route's)
-    body_types.py  what the bodies are built from: lax scalars, ranges, Message, Bounds
-    parse.py     request bodies -> SamplingParams and prompts (400s naming the field)
-    errors.py    the OpenAI error object, and the one exception that produces it; invalid.py
-                 a request model's validation errors as one such object
-    limits.py    a request's size limits, checked before the work they bound; nesting.py how
-                 deep a JSON text nests, found without parsing it
+    errors.py    the OpenAI error object, and the one exception that produces it
     checks.py    serve's settings judged before the socket is bound, and the bind itself
     offload.py   request-sized work off the event loop
     cors.py      CORS: what lets a page on another origin call the server
-    constraints.py  a request's structured-output constraint (response_format, guided_*)
     respond.py   a job -> a unary JSON body or an SSE stream; status before the first byte
     render.py    response shapes: choices, chunks, logprobs, usage
     token_text.py  a token's bytes and display text (logprobs)
@@ -39,7 +31,7 @@ This layer sits on `bridge.AsyncEngine` and never touches the engine while it st
 """
 
 from nanoserve.server.app import create_app, drain, server_state
-from nanoserve.server.config import ServerConfig
+from nanoserve.server.settings import ServerConfig
 from nanoserve.server.state import counter_ids
 
 __all__ = ["ServerConfig", "counter_ids", "create_app", "drain", "server_state"]

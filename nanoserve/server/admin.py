@@ -21,10 +21,10 @@ from typing import Any
 from quart import Quart, Response, current_app, request
 
 from nanoserve.sampling.params import ParamError, check_vocab
-from nanoserve.server import parse
+from nanoserve.server.body import parse
+from nanoserve.server.body.protocol import validate
 from nanoserve.server.errors import ApiError, bad_request, from_param_error
 from nanoserve.server.generation import read_body, read_json
-from nanoserve.server.protocol import validate
 from nanoserve.server.respond import json_response
 from nanoserve.server.state import current_state, ready
 from nanoserve.tokenizer import Tokenizer

@@ -24,8 +24,7 @@ from werkzeug.exceptions import HTTPException
 
 from nanoserve.bridge import BridgeStats, EngineDeadError
 from nanoserve.bridge.clock import Clock, LiveClock
-from nanoserve.server import admin, generation, openapi, responses_route
-from nanoserve.server.config import ServerConfig
+from nanoserve.server import admin, generation, openapi
 from nanoserve.server.connection import Connection
 from nanoserve.server.cors import CorsMiddleware
 from nanoserve.server.errors import ApiError, error_object
@@ -34,6 +33,8 @@ from nanoserve.server.metrics import Metrics
 from nanoserve.server.offload import Offload
 from nanoserve.server.recording import Recorder
 from nanoserve.server.respond import json_response
+from nanoserve.server.responses import route as responses_route
+from nanoserve.server.settings import ServerConfig
 from nanoserve.server.state import ServerState, counter_ids, current_state
 
 log = logging.getLogger("nanoserve.server")

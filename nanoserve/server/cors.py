@@ -21,7 +21,7 @@ from typing import Any
 
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable
 
-from nanoserve.server.config import CorsPolicy
+from nanoserve.server.settings import CorsPolicy
 
 ALL_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
 # What a browser sends without asking (the CORS-safelisted request headers), so always allowed.

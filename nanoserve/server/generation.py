@@ -4,7 +4,7 @@ Both read as the same four lines: parse the body (400 naming the field), prepare
 prompt through the bridge (tokenize and validate: a prompt that can never fit is a 400
 here, not a failure later), then hand the job to `respond` for a unary or streamed answer.
 Parsing and preparing grow with the body, so they run as one call off the event loop
-(offload.py), within the size limits checked on the way (limits.py).
+(offload.py), within the size limits checked on the way (body/limits.py).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from quart import Quart, Response, current_app, request
 
 from nanoserve.engine.admission import Prepared
 from nanoserve.sampling.params import ParamError
-from nanoserve.server import parse
+from nanoserve.server.body import parse
+from nanoserve.server.body.limits import Caps
 from nanoserve.server.errors import ApiError, from_param_error
-from nanoserve.server.limits import Caps
 from nanoserve.server.render import Shapes
 from nanoserve.server.respond import respond
 from nanoserve.server.state import Ready, ServerState, current_state, ready

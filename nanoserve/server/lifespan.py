@@ -23,9 +23,9 @@ from nanoserve.engine.engine import Engine
 from nanoserve.engine.outputs import StepResult
 from nanoserve.model.base import ModelStartError
 from nanoserve.server import recording
+from nanoserve.server.body.protocol import protocol
 from nanoserve.server.jobs import Registry
 from nanoserve.server.offload import freeze_heap
-from nanoserve.server.protocol import protocol
 from nanoserve.server.state import Ready, ServerState
 from nanoserve.server.token_text import TokenText
 

@@ -39,9 +39,9 @@ from nanoserve.model.options import LoadOptions
 from nanoserve.model.preflight import check_device, check_model
 from nanoserve.server import checks, hypercorn_fixes
 from nanoserve.server.app import create_app, drain
-from nanoserve.server.config import AgentSettings, CorsPolicy, ServerConfig
 from nanoserve.server.recording import Recorder
 from nanoserve.server.serve_flags import add_args as add_args  # cli.py's, and the tests'
+from nanoserve.server.settings import AgentSettings, CorsPolicy, ServerConfig
 
 log = logging.getLogger("nanoserve.server")
 

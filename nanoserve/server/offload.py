@@ -111,7 +111,7 @@ class Offload:
     async def run(self, fn: Callable[[], T]) -> T:
         """`fn()`, in a worker thread when threaded. Not abandoned on cancellation: `fn`
         only reads shared state (Engine.prepare is safe beside a step), so a client that
-        leaves costs the rest of its work, which the limits bound (limits.py)."""
+        leaves costs the rest of its work, which the limits bound (body/limits.py)."""
         if self._threads is None:
             return fn()
         if self._limiter is None:

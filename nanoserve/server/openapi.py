@@ -1,7 +1,7 @@
 """`GET /openapi.json`: an OpenAPI 3.1 document of exactly the routes the app registers.
 
 The request schemas are generated from the request models that parse validates with
-(server/protocol.py), their ranges from the same limits `SamplingParams` checks
+(server/body/protocol.py), their ranges from the same limits `SamplingParams` checks
 (`sampling.MAX_N`, `MAX_LOGPROBS`, ...), so they cannot drift silently; tests/test_openapi.py
 checks that the paths and methods equal the app's URL map and that the schemas agree with
 the validators at every boundary. What a schema cannot say (a prompt plus max_tokens that
@@ -23,9 +23,9 @@ from typing import Any
 
 from quart import Quart, Response
 
-from nanoserve.server import protocol
-from nanoserve.server.config import ServerConfig
+from nanoserve.server.body import protocol
 from nanoserve.server.respond import json_response
+from nanoserve.server.settings import ServerConfig
 from nanoserve.server.state import current_state
 
 Schema = dict[str, Any]
@@ -64,7 +64,7 @@ _CALL = _obj({"id": _STR, "type": {"const": "function"}, "function": _obj(
     {"name": _STR, "arguments": {"type": "string", "description": "a JSON object's text"}})})
 _MESSAGE_EXTRAS = {"tool_calls": {"type": "array", "items": _CALL},
                    "reasoning_content": {"type": ["string", "null"]}}
-# /v1/responses: what server/responses_api.py reads (it names a bad field in its 400);
+# /v1/responses: what server/responses/translate.py reads (it names a bad field in its 400);
 # the stateful fields are typed null (the server keeps no responses).
 _ITEMS = {"type": "array", "items": {"type": "object"}}
 _RESPONSES_BODY: Schema = {"type": "object", "required": ["input"], "properties": {

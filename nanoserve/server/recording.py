@@ -29,8 +29,8 @@ from nanoserve.bridge import BridgeRecorder
 if TYPE_CHECKING:
     from nanoserve.bridge import AsyncEngine
     from nanoserve.engine.engine import Engine
-    from nanoserve.server.config import ServerConfig
     from nanoserve.server.jobs import Job
+    from nanoserve.server.settings import ServerConfig
 
 log = logging.getLogger("nanoserve.server")
 

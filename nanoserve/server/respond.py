@@ -24,9 +24,9 @@ from quart.wrappers.response import ResponseBody
 
 from nanoserve.engine.admission import Prepared
 from nanoserve.server import recording
+from nanoserve.server.body.parse import StreamUsage
 from nanoserve.server.errors import ApiError
 from nanoserve.server.jobs import Ended, Item, Job, Registry
-from nanoserve.server.parse import StreamUsage
 from nanoserve.server.render import Choice, Json, Shapes
 from nanoserve.server.render import usage as usage_of
 

@@ -11,13 +11,13 @@ from quart import current_app
 
 from nanoserve.bridge import AsyncEngine
 from nanoserve.engine.engine import Engine
-from nanoserve.server.config import ServerConfig
+from nanoserve.server.body.protocol import Protocol
 from nanoserve.server.errors import ApiError
 from nanoserve.server.jobs import Registry
 from nanoserve.server.metrics import Metrics
 from nanoserve.server.offload import Offload
-from nanoserve.server.protocol import Protocol
 from nanoserve.server.recording import Recorder
+from nanoserve.server.settings import ServerConfig
 from nanoserve.server.token_text import TokenText
 from nanoserve.tokenizer import Tokenizer
 

@@ -14,7 +14,7 @@ the ones `sim load` writes for the same spec; the ids themselves are seeded draw
 ordinary part of the vocabulary (a prompt's content does not change a step's cost, and a
 stub model's answers do not need to be read). For `api=chat` the chat template's tokens are
 counted once and added as fixed ids around the contents. From a trace, each body goes
-through the server's own parser (nanoserve.server.parse), so its params are what the server
+through the server's own parser (nanoserve.server.body.parse), so its params are what the server
 would run.
 """
 
@@ -29,9 +29,9 @@ from typing import Any
 import numpy as np
 
 from nanoserve.sampling.params import ParamError, SamplingParams
-from nanoserve.server import parse
+from nanoserve.server.body import parse
+from nanoserve.server.body.protocol import protocol
 from nanoserve.server.errors import ApiError
-from nanoserve.server.protocol import protocol
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.workloads import copy_prompts
 from sim.load.public import PublicTrace, detect_format, read_public_trace, window

@@ -73,7 +73,7 @@ from sim.trace.write import (
 if TYPE_CHECKING:
     from nanoserve.bridge import AsyncEngine
     from nanoserve.engine.engine import Engine
-    from nanoserve.server.config import ServerConfig
+    from nanoserve.server.settings import ServerConfig
 
 log = logging.getLogger("sim.record")
 

@@ -38,7 +38,7 @@ import trio.testing
 from nanoserve.bridge import AsyncEngine
 from nanoserve.engine.outputs import StepResult
 from nanoserve.server import ServerConfig, checks, create_app, server_state
-from nanoserve.server.config import AgentSettings
+from nanoserve.server.settings import AgentSettings
 from sim.http.asgi_client import AsgiClient, serve_in_process
 from sim.replay.clients import Client
 from sim.replay.clock import ReplayClock

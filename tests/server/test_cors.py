@@ -22,7 +22,7 @@ import pytest
 import trio
 from support.server_harness import GOOD, keep_reading, make_app, read_until_ready
 
-from nanoserve.server.config import CorsPolicy
+from nanoserve.server.settings import CorsPolicy
 from sim.http.loopback import hypercorn_on_loopback
 
 KEY = "sk-cors-test"

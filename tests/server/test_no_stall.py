@@ -12,7 +12,7 @@ everything for all of it. The clock only measures gaps; every wait is bounded.
 Off the loop is not enough where the worker thread holds the GIL in one long C call: the
 loop waits on the GIL as it would on the work. The 1 MB input caught tokenizers' `encode`
 (420-470 ms in one call; nanoserve/tokenizer.py), the 10,000 tools a regular expression
-over the body (53 ms; server/nesting.py).
+over the body (53 ms; server/body/nesting.py).
 """
 
 from __future__ import annotations

@@ -216,7 +216,7 @@ BOUNDARIES: list[tuple[str, Any, int]] = [
 ]
 
 
-# What vLLM's lax models also read (server/protocol.py): served, and not in the document.
+# What vLLM's lax models also read (server/body/protocol.py): served, and not in the document.
 LAX: list[tuple[str, Any]] = [
     ("/v1/completions", {**BASE, "echo": "yes"}),
     ("/v1/completions", {**BASE, "n": "2", "max_tokens": 2.0, "temperature": "0.5"}),
@@ -258,7 +258,7 @@ def test_request_schemas_are_the_models_parse_validates_with() -> None:
     """One declaration: each body's documented fields are exactly the fields of the
     pydantic model that parse validates that route's bodies with."""
     from nanoserve.server import ServerConfig
-    from nanoserve.server.protocol import protocol
+    from nanoserve.server.body.protocol import protocol
 
     doc = document(ServerConfig("m"), vocab_size=100, max_model_len=64)
     for path, model in protocol("m", 100, 64).by_path().items():

@@ -1,6 +1,6 @@
-"""The size limits a request meets before the work they bound (server/limits.py): each is
+"""The size limits a request meets before the work they bound (server/body/limits.py): each is
 a 400 whose `param` names the field and whose message names the limit, and the server
-serves on. The defaults come from RequestLimits (server/config.py): OpenAI's 128 tools, and
+serves on. The defaults come from RequestLimits (server/settings.py): OpenAI's 128 tools, and
 characters at CHARS_PER_TOKEN times the model's context."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 from support.http_harness import serving
 from support.server_harness import assert_error, assert_serving, make_app, make_engine
 
-from nanoserve.server.config import CHARS_PER_TOKEN, RequestLimits
+from nanoserve.server.settings import CHARS_PER_TOKEN, RequestLimits
 
 CTX = 64  # max_model_len: the character limits are CHARS_PER_TOKEN times this
 CHAT = {"model": "stub", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

@@ -1,4 +1,4 @@
-"""The Responses API layer (nanoserve/server/responses_api.py, responses_events.py): each
+"""The Responses API layer (nanoserve/server/responses/translate.py, events.py): each
 request field maps to its chat-completions spelling or to a 400 naming it, and each rendered
 output streams events that the official `openai` package's own types accept, in the
 documented order, and that its stream accumulator folds to exactly our final Response,
@@ -18,8 +18,8 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 
 from nanoserve.server.errors import ApiError
-from nanoserve.server.responses_api import request_echo, to_chat_body
-from nanoserve.server.responses_events import Event, ResponseRenderer
+from nanoserve.server.responses.events import Event, ResponseRenderer
+from nanoserve.server.responses.translate import request_echo, to_chat_body
 
 EVENTS = pydantic.TypeAdapter(ResponseStreamEvent)
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",

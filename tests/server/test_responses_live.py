@@ -17,7 +17,7 @@ import trio
 from support.server_harness import live, make_engine
 
 from nanoserve.server import checks
-from nanoserve.server.config import AgentSettings
+from nanoserve.server.settings import AgentSettings
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Today's weather",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},

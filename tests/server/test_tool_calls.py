@@ -18,7 +18,7 @@ import pytest
 from support.server_harness import live, make_engine
 
 from nanoserve.server import checks
-from nanoserve.server.config import AgentSettings
+from nanoserve.server.settings import AgentSettings
 from nanoserve.server.tools.output import OutputPlan
 
 TEMPLATE = checks.chat_template("chatml-tools")

@@ -20,7 +20,7 @@ from support.server_harness import live, make_engine
 
 from nanoserve.sampling.grammar import Grammars, GuidedSpec
 from nanoserve.server import checks
-from nanoserve.server.config import AgentSettings
+from nanoserve.server.settings import AgentSettings
 from nanoserve.server.tools.constrained import after_reasoning, auto_calls, call_or_answer
 
 WEATHER = {"type": "function", "function": {

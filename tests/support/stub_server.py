@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `support`, as py
 
 from nanoserve.bridge.clock import LiveClock  # noqa: E402
 from nanoserve.server import ServerConfig, checks, create_app  # noqa: E402
-from nanoserve.server.config import AgentSettings, RequestLimits  # noqa: E402
+from nanoserve.server.settings import AgentSettings, RequestLimits  # noqa: E402
 from sim.http.loopback import hypercorn_on_loopback  # noqa: E402
 from support.server_harness import make_engine  # noqa: E402
 

@@ -27,9 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from nanoserve.sampling.grammar import GuidedSpec
-from nanoserve.server.config import AgentSettings
-from nanoserve.server.constraints import request_constraint
 from nanoserve.server.errors import bad_request
+from nanoserve.server.settings import AgentSettings
 from nanoserve.server.tools.constrained import (
     after_reasoning,
     auto_calls,
@@ -66,16 +65,17 @@ class ToolPlan:
     constraint: GuidedSpec | None
 
 
-def plan_tools(req: Any, agents: AgentSettings, template: str, template_reads_tools: bool
-               ) -> ToolPlan:
-    """The request's ToolPlan; a 400 naming the field where its tools, tool_choice or
-    format fields cannot be honoured."""
+def plan_tools(req: Any, fmt: GuidedSpec | None, agents: AgentSettings, template: str,
+               template_reads_tools: bool) -> ToolPlan:
+    """The request's ToolPlan, its constraint composed from the tools' and `fmt`, the one
+    its format fields ask for (body/constraints.py); a 400 naming the field where its
+    tools or tool_choice cannot be honoured."""
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
     for i, t in enumerate(tools):
         _check_schema(t["function"].get("parameters"), f"tools[{i}].function.parameters")
     mode, name = _mode(req.tool_choice, tools)
     if not tools and agents.reasoning_parser is None:
-        return ToolPlan(None, None, request_constraint(req))
+        return ToolPlan(None, None, fmt)
     parser = None
     if mode == "auto":
         parser = agents.tool_call_parser or ("hermes" if CHATML in template else None)
@@ -100,7 +100,7 @@ def plan_tools(req: Any, agents: AgentSettings, template: str, template_reads_to
     if isinstance(spec, GuidedSpec) and agents.reasoning_parser is not None:
         spec = after_reasoning(spec, agents.reasoning_parser == "deepseek_r1")
     return ToolPlan(OutputPlan(mode, parser, name, agents.reasoning_parser), tools or None,
-                    _compose(spec, request_constraint(req), agents))
+                    _compose(spec, fmt, agents))
 
 
 def _mode(choice: Any, tools: Sequence[dict[str, Any]]) -> tuple[str, str | None]:

@@ -424,7 +424,7 @@ async def test_tool_requests_are_recorded_with_the_servers_settings(tmp_path: Pa
     header keeps those settings, each request's tool calls are its expectation, and the
     trace replays clean (on a server the replay sets up from the header alone)."""
     from nanoserve.server import checks
-    from nanoserve.server.config import AgentSettings
+    from nanoserve.server.settings import AgentSettings
 
     config = ServerConfig("stub", chat_template=checks.chat_template("chatml-tools"),
                           agents=AgentSettings(enable_auto_tool_choice=True))

@@ -1,7 +1,7 @@
 """The types the request models are built from: vLLM's lax scalars, the range annotations
 the document carries, the models' common base, a chat message, and the bounds that depend on
-the served model. They are apart from the models themselves (server/generation_models.py
-and server/protocol.py) because every route's body is built from them, and reads alike
+the served model. They are apart from the models themselves (server/body/generation_models.py
+and server/body/protocol.py) because every route's body is built from them, and reads alike
 because of that.
 
 The models check types and shapes the way vLLM's do (pydantic's lax mode), because clients

@@ -16,9 +16,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nanoserve.server.body_types import Message
-from nanoserve.server.config import RequestLimits
+from nanoserve.server.body.types import Message
 from nanoserve.server.errors import bad_request
+from nanoserve.server.settings import RequestLimits
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,8 +9,8 @@ import json
 from typing import Any
 
 from nanoserve.sampling.grammar import GuidedSpec
+from nanoserve.server.body.nesting import MAX_DEPTH, too_deep
 from nanoserve.server.errors import bad_request
-from nanoserve.server.nesting import MAX_DEPTH, too_deep
 
 
 def request_constraint(req: Any) -> GuidedSpec | None:

@@ -1,10 +1,10 @@
 """`POST /v1/responses`: OpenAI's Responses API, stateless, on the chat machinery.
 
-The body is translated into the chat-completions request it stands for (responses_api.py),
+The body is translated into the chat-completions request it stands for (translate.py),
 which is parsed, prepared and run exactly as `/v1/chat/completions` runs it: the same
 template, tools, constraints and reasoning split (server/tools/). The choice's text is read
 by the same `ChoiceOutput` and each delta rendered as Responses events
-(responses_events.py): an SSE stream of `event:`/`data:` frames, or, unary, the response
+(events.py): an SSE stream of `event:`/`data:` frames, or, unary, the response
 object those events build. One choice: the Responses API has no `n`.
 """
 
@@ -17,13 +17,14 @@ from typing import Any
 from quart import Quart, Response, current_app
 
 from nanoserve.engine.admission import Prepared
-from nanoserve.server import parse, recording
+from nanoserve.server import recording
+from nanoserve.server.body import parse
 from nanoserve.server.errors import ApiError
 from nanoserve.server.generation import caps, prepare_all, read_body, request_core_id
 from nanoserve.server.jobs import Ended, Item, Job
 from nanoserve.server.respond import SseBody, failure, json_response
-from nanoserve.server.responses_api import request_echo, responses_error, to_chat_body
-from nanoserve.server.responses_events import Event, ResponseRenderer
+from nanoserve.server.responses.events import Event, ResponseRenderer
+from nanoserve.server.responses.translate import request_echo, responses_error, to_chat_body
 from nanoserve.server.state import current_state, ready
 from nanoserve.server.tools.output import ChoiceOutput, Delta, OutputPlan
 

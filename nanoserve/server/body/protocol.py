@@ -1,9 +1,9 @@
 """The request bodies of the API as pydantic models: what parse checks, and what
 `/openapi.json` documents, declared once. This module assembles one served model's set
-(the generation routes' from server/generation_models.py, the tokenizer routes' here, all
-built from server/body_types.py), validates a body with it, and writes its JSON schemas.
+(the generation routes' from server/body/generation_models.py, the tokenizer routes' here, all
+built from server/body/types.py), validates a body with it, and writes its JSON schemas.
 
-The models check types and shapes the way vLLM's do (lax: server/body_types.py says how).
+The models check types and shapes the way vLLM's do (lax: server/body/types.py says how).
 A failure is a 400 whose `param` is the path of the bad value (`messages[0].role`,
 `response_format.json_schema.name`), or the field when several of its items are bad; the
 message names each of them (a few, then how many more). Value ranges
@@ -28,9 +28,9 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
 from pydantic.json_schema import GenerateJsonSchema
 
-from nanoserve.server.body_types import Body, Bool, Bounds, Int, Message, documented
-from nanoserve.server.generation_models import generation_models
-from nanoserve.server.invalid import api_error
+from nanoserve.server.body.generation_models import generation_models
+from nanoserve.server.body.invalid import api_error
+from nanoserve.server.body.types import Body, Bool, Bounds, Int, Message, documented
 
 Schema = dict[str, Any]
 
@@ -104,7 +104,7 @@ PARAM_NAMES = {"max_completion_tokens": "max_tokens"}
 
 def validate(model: type[BaseModel], body: Mapping[str, Any]) -> Any:
     """`body` as an instance of `model`, or the 400 naming its first bad field (each of
-    its bad items, server/invalid.py)."""
+    its bad items, server/body/invalid.py)."""
     try:
         return model.model_validate(body)
     except ValidationError as exc:

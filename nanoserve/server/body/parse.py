@@ -1,6 +1,6 @@
 """Request bodies in, typed requests out: the OpenAI (and vLLM) fields we honour.
 
-Types and shapes are checked by the request models (server/protocol.py, which `/openapi.json`
+Types and shapes are checked by the request models (server/body/protocol.py, which `/openapi.json`
 is generated from); values by `SamplingParams`, whose checks raise `ParamError` naming the
 field; what depends on several fields (best_of and n, stream_options without stream, ...)
 here. Either way a bad body is a 400 whose `param` names the field, before anything reaches
@@ -23,20 +23,20 @@ from pydantic import BaseModel
 
 from nanoserve.sampling.grammar import GuidedSpec
 from nanoserve.sampling.params import ParamError, SamplingParams
-from nanoserve.server.body_types import Message
-from nanoserve.server.config import AgentSettings
-from nanoserve.server.constraints import request_constraint
-from nanoserve.server.errors import ApiError, bad_request, from_param_error
-from nanoserve.server.generation_models import refused
-from nanoserve.server.limits import (
+from nanoserve.server.body.constraints import request_constraint
+from nanoserve.server.body.generation_models import refused
+from nanoserve.server.body.limits import (
     Caps,
     check_prompt_chars,
     check_template_chars,
     check_tools,
     message_chars,
 )
-from nanoserve.server.nesting import MAX_DEPTH, deep_field, too_deep
-from nanoserve.server.protocol import Protocol, validate
+from nanoserve.server.body.nesting import MAX_DEPTH, deep_field, too_deep
+from nanoserve.server.body.protocol import Protocol, validate
+from nanoserve.server.body.types import Message
+from nanoserve.server.errors import ApiError, bad_request, from_param_error
+from nanoserve.server.settings import AgentSettings
 from nanoserve.server.tools.output import OutputPlan
 from nanoserve.server.tools.plan import plan_tools
 from nanoserve.tokenizer import Tokenizer
@@ -191,7 +191,8 @@ def chat(
     _check_tool_messages(req.messages)
     check_prompt_chars("messages", message_chars(req.messages), caps)
     source = template or tokenizer.chat_template or ""
-    plan = plan_tools(req, agents, source, tokenizer.template_reads("tools", template))
+    plan = plan_tools(req, request_constraint(req), agents, source,
+                      tokenizer.template_reads("tools", template))
     text = chat_text(req.messages, req.add_generation_prompt, tokenizer, template, now,
                      plan.tools)
     check_template_chars(text, caps)

@@ -72,7 +72,7 @@ def _part(kind: str, text: str) -> dict[str, Any]:
 class ResponseRenderer:
     """The Responses events and the Response object of one chat choice.
 
-    `request_echo` is `responses_api.request_echo(body)`: the request fields the Response
+    `request_echo` is `translate.request_echo(body)`: the request fields the Response
     repeats. Ids of output items derive from `response_id` and the item's position, so a
     rendering is a pure function of its inputs.
     """

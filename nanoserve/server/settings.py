@@ -41,7 +41,7 @@ CHARS_PER_TOKEN = 8
 @dataclass(frozen=True, slots=True)
 class RequestLimits:
     """Bounds on the work one request may ask of the server before its first token, checked
-    before that work starts, each a 400 naming the field and the limit (server/limits.py).
+    before that work starts, each a 400 naming the field and the limit (server/body/limits.py).
     The work itself runs off the event loop (server/offload.py); these keep it short.
 
     `max_tools`: OpenAI's documented maximum of tools per request. `max_prompt_chars`: the

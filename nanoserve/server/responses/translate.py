@@ -3,7 +3,7 @@
 The server keeps no responses, so the Responses API is served statelessly: a request is
 translated into the chat-completions body a client would have posted, runs through the
 chat machinery unchanged, and its output is rendered back in the Responses shape
-(responses_events.py). Translation is pure: a Mapping in, a dict out, or an `ApiError` 400
+(events.py). Translation is pure: a Mapping in, a dict out, or an `ApiError` 400
 whose `param` names the field in the *Responses* spelling (`input[2].call_id`), since that
 is what the client sent.
 
