@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from nanoserve.engine.admission import check_token_ids, fit_context
 from nanoserve.sampling.params import ParamError, SamplingParams
 
 NAN, INF = math.nan, math.inf
@@ -168,26 +169,25 @@ def test_revalidates_after_replace() -> None:
     assert info.value.field == "top_p"
 
 
-def test_check_context() -> None:
+def test_admission_fits_the_context_and_vocabulary() -> None:
     p = SamplingParams(max_tokens=10, logit_bias={99: 1}, stop_token_ids=(98,))
-    p.check_context(vocab_size=100, max_model_len=20, prompt_len=10)  # exactly fits
+    check_token_ids(p, 100)
+    assert fit_context(p.max_tokens, 10, 20) == 10  # exactly fits
     with pytest.raises(ParamError) as info:
-        p.check_context(vocab_size=100, max_model_len=20, prompt_len=13)
+        fit_context(p.max_tokens, 13, 20)
     assert info.value.field == "max_tokens"
     assert "by 3" in str(info.value)
     assert "(13 tokens)" in str(info.value)
     assert "max_model_len 20" in str(info.value)
     with pytest.raises(ParamError) as info:
-        p.check_context(vocab_size=99, max_model_len=100, prompt_len=1)
+        check_token_ids(p, 99)
     assert info.value.field == "logit_bias"
     assert "99" in str(info.value)
     with pytest.raises(ParamError) as info:
-        SamplingParams(stop_token_ids=(98,)).check_context(
-            vocab_size=98, max_model_len=100, prompt_len=1
-        )
+        check_token_ids(SamplingParams(stop_token_ids=(98,)), 98)
     assert info.value.field == "stop_token_ids"
     # No max_tokens: the engine gives the request whatever the context leaves.
-    SamplingParams().check_context(vocab_size=10, max_model_len=5, prompt_len=5)
+    assert fit_context(SamplingParams().max_tokens, 4, 5) == 1
 
 
 def test_child() -> None:
@@ -235,14 +235,13 @@ def test_message_names_every_bad_item(kwargs: dict[str, Any], field: str, text: 
     assert text in str(info.value), str(info.value)
 
 
-def test_check_context_names_every_id_outside_the_vocabulary() -> None:
+def test_admission_names_every_id_outside_the_vocabulary() -> None:
     p = SamplingParams(logit_bias={100: 1, 5: 1, 101: 1}, stop_token_ids=(7, 100, 102))
     with pytest.raises(ParamError) as info:
-        p.check_context(vocab_size=100, max_model_len=50, prompt_len=1)
+        check_token_ids(p, 100)
     assert (info.value.field, info.value.message) == (
         "logit_bias", "logit_bias: token ids 100, 101 are outside the vocabulary [0, 100)")
     with pytest.raises(ParamError) as info:
-        SamplingParams(stop_token_ids=tuple(range(90, 110))).check_context(
-            vocab_size=100, max_model_len=50, prompt_len=1)
+        check_token_ids(SamplingParams(stop_token_ids=tuple(range(90, 110))), 100)
     assert info.value.message == ("stop_token_ids: token ids 100, 101, 102, 103, 104 and 5 "
                                   "more are outside the vocabulary [0, 100)")

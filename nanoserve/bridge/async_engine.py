@@ -144,7 +144,7 @@ class AsyncEngine:
             steps=s.steps, queued=len(loop.inbox), running=s.running, waiting=s.waiting,
             in_flight=len(self._ledger.entries), num_blocks=s.num_blocks,
             free_blocks=s.free_blocks, admitted=loop.admitted,
-            completed=self._ledger.completed, aborted=loop.aborted,
+            completed=self._ledger.completed, aborted=loop.aborted_in_flight,
             failed=self._ledger.failed, preemptions=s.preemptions, healthy=self.healthy,
         )
 

@@ -46,7 +46,10 @@ class EngineLoop:
         self._idle_now = False
         self._dead: str | None = None
         self._lost: str | None = None  # the model's own report that it can run no step
-        self.admitted = self.aborted = 0
+        self.admitted = 0
+        # Requests in flight that the loop aborted (at a boundary, or at shutdown), queued
+        # or admitted: the engine counts only the admitted ones it ended (EngineStats.aborted).
+        self.aborted_in_flight = 0
         # Read only in the loop task between steps: a live step's thread may be mutating the
         # engine while another task asks for statistics.
         self.snapshot: EngineStats = engine.statistics()
@@ -168,7 +171,7 @@ class EngineLoop:
             self._record(self._recorder.update, self._engine.num_steps, update)
 
     def _abort(self, entry: Entry, why: str | None) -> None:
-        self.aborted += 1
+        self.aborted_in_flight += 1
         if entry.admitted:
             for final in self._engine.abort_request(entry.request_id):
                 self.ledger.route(final._replace(error=why))

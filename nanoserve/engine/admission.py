@@ -4,6 +4,12 @@
 pool, changing nothing, so that any task may call it while a step runs and every error
 that is knowable before the first token surfaces as a 400 before admission, never as a
 failure mid-stream.
+
+This module is the one owner of "the request fits": token ids against the vocabulary, the
+prompt and max_tokens against max_model_len (`fit_context`), and against the KV pool
+(`fit_pool`). SamplingParams checks only what the params alone can say. `fit_context` is
+also where max_tokens is resolved, once: the caller's own, or (None) the rest of the
+context. The Request carries that value; nothing after admission reads params.max_tokens.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from dataclasses import dataclass
 
 from nanoserve.engine.detokenizer import IncrementalDetokenizer
 from nanoserve.engine.request import Request
+from nanoserve.sampling.grammar import GrammarError, Grammars
 from nanoserve.sampling.params import ParamError, SamplingParams, check_vocab
 from nanoserve.sampling.seeds import mix64
 from nanoserve.tokenizer import Tokenizer
@@ -37,25 +44,62 @@ def check_request(prompt_ids: list[int], params: SamplingParams, *, vocab_size: 
     if not prompt_ids:
         raise ParamError("prompt", "prompt must not be empty")
     check_vocab("prompt", prompt_ids, vocab_size)
-    params.check_context(
-        vocab_size=vocab_size, max_model_len=max_model_len, prompt_len=len(prompt_ids)
-    )
-    room = max_model_len - len(prompt_ids)
+    check_token_ids(params, vocab_size)
+    max_tokens = fit_context(params.max_tokens, len(prompt_ids), max_model_len)
+    fit_pool(len(prompt_ids), max_tokens, pool_tokens)
+    return Prepared(prompt_ids, params, max_tokens)
+
+
+def check_guided(params: SamplingParams, grammars: Grammars) -> None:
+    """ParamError naming the field of a constraint that cannot be compiled. Compiled here,
+    before admission and off the step (the grammars cache it for the first draw)."""
+    if params.guided is None:
+        return
+    try:
+        grammars.check(params.guided)
+    except GrammarError as exc:
+        raise ParamError(exc.field, str(exc)) from None
+
+
+def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """ParamError naming the field (logit_bias, then stop_token_ids) with an id outside
+    the vocabulary: the params' own token ids, which only the model can judge."""
+    for name, ids in (("logit_bias", list(params.logit_bias)),
+                      ("stop_token_ids", params.stop_token_ids)):
+        check_vocab(name, ids, vocab_size)
+
+
+def fit_context(max_tokens: int | None, prompt_len: int, max_model_len: int) -> int:
+    """The request's max_tokens, resolved (the caller's, or None: the rest of the context),
+    if the prompt and it fit max_model_len; else ParamError on max_tokens, or AdmissionError
+    on the prompt when the prompt alone leaves no room for output."""
+    if max_tokens is not None and prompt_len + max_tokens > max_model_len:
+        over = prompt_len + max_tokens - max_model_len
+        raise ParamError(
+            "max_tokens",
+            f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds "
+            f"max_model_len {max_model_len} by {over}",
+        )
+    room = max_model_len - prompt_len
     if room < 1:
         raise AdmissionError(
             "prompt",
-            f"prompt has {len(prompt_ids)} tokens; max_model_len {max_model_len} leaves "
+            f"prompt has {prompt_len} tokens; max_model_len {max_model_len} leaves "
             f"no room for output (over by {1 - room})",
         )
-    max_tokens = params.max_tokens if params.max_tokens is not None else room
-    if len(prompt_ids) + max_tokens > pool_tokens:
+    return max_tokens if max_tokens is not None else room
+
+
+def fit_pool(prompt_len: int, max_tokens: int, pool_tokens: int) -> None:
+    """AdmissionError on max_tokens when the prompt and its resolved max_tokens could never
+    be in the KV pool at once (preemption cannot make room that does not exist)."""
+    total = prompt_len + max_tokens
+    if total > pool_tokens:
         raise AdmissionError(
             "max_tokens",
-            f"prompt ({len(prompt_ids)}) + max_tokens ({max_tokens}) = "
-            f"{len(prompt_ids) + max_tokens} tokens can never fit the KV pool of "
-            f"{pool_tokens} tokens (over by {len(prompt_ids) + max_tokens - pool_tokens})",
+            f"prompt ({prompt_len}) + max_tokens ({max_tokens}) = {total} tokens can never "
+            f"fit the KV pool of {pool_tokens} tokens (over by {total - pool_tokens})",
         )
-    return Prepared(prompt_ids, params, max_tokens)
 
 
 def detokenizer_for(tokenizer: Tokenizer, prompt_ids: Sequence[int],

@@ -71,17 +71,12 @@ def build_batch(
     rows that score prompt tokens. Logits rows stay in flat token order (the stub needs
     that), so a request's prompt rows come before its sampling row."""
     bs = block_size
+    b = ForwardBatch([], [], [], [], [], [], [], [], [])
     # The columns as locals (this runs once per row per step, millions of times in a
-    # simulation); the ForwardBatch is made from them at the end.
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    query_lens: list[int] = []
-    context_lens: list[int] = []
-    block_tables: list[list[int]] = []
-    logits_indices: list[int] = []
-    histories: list[Sequence[int]] = []
-    seeds: list[int] = []
+    # simulation); appending to them fills the batch's own lists.
+    input_ids, positions, slots = b.input_ids, b.positions, b.slot_mapping
+    query_lens, context_lens, block_tables = b.query_lens, b.context_lens, b.block_tables
+    logits_indices, histories, seeds = b.logits_indices, b.histories, b.seeds
     samplers: list[Request] = []
     sample_rows: list[int] = []
     prompt = PromptRows([], [], [])
@@ -95,34 +90,16 @@ def build_batch(
         start = req.num_computed
         end = start + n
         if req.needs_prompt_logprobs:
-            # The logits at position p score prompt token p + 1. Positions already
-            # scored before a preemption are not scored again.
-            first = max(start, len(req.prompt_logprobs) - 1)
-            for p in range(first, min(end, req.num_prompt - 1)):
-                prompt.rows.append(len(logits_indices))
-                prompt.targets.append(tokens[p + 1])
-                prompt.requests.append(req)
-                logits_indices.append(len(input_ids) + p - start)
+            _prompt_rows(b, prompt, req, tokens, start, end)
         blocks = req.blocks
+        # The stub's logits follow the caller's seed: all n completions of a request
+        # see the same model, as they would with real weights.
         group_seed = group_params[req.group].seed
+        seed = group_seed if group_seed is not None else 0
         if req.draft:
-            # A proposal is checked as k + 1 decode rows of one sequence, not as a chunk:
-            # row j attends to the keys up to its own position (its context length), all
-            # of them in the cache once the step has stored the rows' keys, which it does
-            # before any row attends. So each row is computed as decoding computes it, by
-            # the batch-1 path's kernels (model/csrc/stack.cpp), at a decode row's cost.
             sample_rows.append(len(logits_indices))
             samplers.append(req)
-            for p in range(start, end):
-                logits_indices.append(len(input_ids))
-                input_ids.append(tokens[p])
-                positions.append(p)
-                slots.append(blocks[p // bs] * bs + p % bs)
-                query_lens.append(1)
-                context_lens.append(p + 1)
-                block_tables.append(blocks)
-                histories.append(tokens)
-                seeds.append(group_seed if group_seed is not None else 0)
+            _proposal_rows(b, tokens, blocks, start, end, bs, seed)
             continue
         if n == 1:  # a decode row: the common case, without the loops
             input_ids.append(tokens[start])
@@ -131,24 +108,58 @@ def build_batch(
         else:
             input_ids.extend(tokens[start:end])
             positions.extend(range(start, end))
-            # Slots a block at a time: a run of consecutive slots per block.
-            for j in range(start // bs, (end - 1) // bs + 1):
-                base = blocks[j] * bs - j * bs
-                slots.extend(range(base + max(start, j * bs), base + min(end, (j + 1) * bs)))
+            _chunk_slots(slots, blocks, start, end, bs)
         query_lens.append(n)
         context_lens.append(end)
         block_tables.append(blocks)
         histories.append(tokens)
-        # The stub's logits follow the caller's seed: all n completions of a request
-        # see the same model, as they would with real weights.
-        seeds.append(group_seed if group_seed is not None else 0)
+        seeds.append(seed)
         if end == last:  # s.samples: this step reaches its last token
             sample_rows.append(len(logits_indices))
             logits_indices.append(len(input_ids) - 1)
             samplers.append(req)
-    b = ForwardBatch(input_ids, positions, slots, query_lens, context_lens, block_tables,
-                     logits_indices, histories, seeds)
     return StepBatch(b, samplers, sample_rows, prompt)
+
+
+def _prompt_rows(b: ForwardBatch, prompt: PromptRows, req: Request, tokens: Sequence[int],
+                 start: int, end: int) -> None:
+    """The logits rows of the chunk [start, end) that score prompt tokens, added before the
+    chunk's own tokens are: the logits at position p score prompt token p + 1. Positions
+    already scored before a preemption are not scored again."""
+    base = len(b.input_ids) - start  # the flat index of position `start`
+    first = max(start, len(req.prompt_logprobs) - 1)
+    for p in range(first, min(end, req.num_prompt - 1)):
+        prompt.rows.append(len(b.logits_indices))
+        prompt.targets.append(tokens[p + 1])
+        prompt.requests.append(req)
+        b.logits_indices.append(base + p)
+
+
+def _proposal_rows(b: ForwardBatch, tokens: Sequence[int], blocks: list[int], start: int,
+                   end: int, bs: int, seed: int) -> None:
+    """A proposal's rows. A proposal is checked as k + 1 decode rows of one sequence, not as
+    a chunk: row j attends to the keys up to its own position (its context length), all of
+    them in the cache once the step has stored the rows' keys, which it does before any row
+    attends. So each row is computed as decoding computes it, by the batch-1 path's kernels
+    (model/csrc/stack.cpp), at a decode row's cost."""
+    for p in range(start, end):
+        b.logits_indices.append(len(b.input_ids))
+        b.input_ids.append(tokens[p])
+        b.positions.append(p)
+        b.slot_mapping.append(blocks[p // bs] * bs + p % bs)
+        b.query_lens.append(1)
+        b.context_lens.append(p + 1)
+        b.block_tables.append(blocks)
+        b.histories.append(tokens)
+        b.seeds.append(seed)
+
+
+def _chunk_slots(slots: list[int], blocks: list[int], start: int, end: int, bs: int) -> None:
+    """Append the cache slots of positions [start, end): a run of consecutive slots per
+    block, a block at a time."""
+    for j in range(start // bs, (end - 1) // bs + 1):
+        base = blocks[j] * bs - j * bs
+        slots.extend(range(base + max(start, j * bs), base + min(end, (j + 1) * bs)))
 
 
 def score_prompt(logits: torch.Tensor, prompt: PromptRows) -> None:

@@ -9,29 +9,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from nanoserve.config import ConfigError, EngineConfig
-from nanoserve.engine.admission import Prepared, check_request, first_completion
-from nanoserve.engine.draft import DraftProposer
+from nanoserve.config import EngineConfig
+from nanoserve.engine.admission import Prepared, check_guided, check_request, first_completion
+from nanoserve.engine.counters import Counters, engine_stats
 from nanoserve.engine.kv import BlockPool, KVManager
-from nanoserve.engine.outputs import EngineStats, StepResult, final_update, token_update
+from nanoserve.engine.outputs import EngineStats, StepResult, final_text, final_update, token_update
 from nanoserve.engine.parallel_sampling import ParentRequests, share_prompt, unforked_finals
+from nanoserve.engine.proposals import keep_proposal, load_drafter, propose
 from nanoserve.engine.request import FinishReason, Request, Status, Update, check_unused
 from nanoserve.engine.runner import ModelRunner
 from nanoserve.engine.scheduler import Schedule, Scheduler, SchedulerFactory
-from nanoserve.engine.speculative import (
-    DRIFT,
-    PRIOR,
-    SpecCounters,
-    allowed_prefix,
-    follow,
-    ngram_proposal,
-    proposal_length,
-    speculates,
-)
+from nanoserve.engine.speculative import SpecCounters
 from nanoserve.engine.stop import Ending, take_token
 from nanoserve.model.base import Model, ModelLost
-from nanoserve.sampling.grammar import GrammarError, Grammars
-from nanoserve.sampling.params import ParamError, SamplingParams
+from nanoserve.sampling.grammar import Grammars
+from nanoserve.sampling.params import SamplingParams
 from nanoserve.sampling.sampler import TokenLogprobs
 from nanoserve.tokenizer import Tokenizer
 
@@ -58,32 +50,12 @@ class Engine:
         self.grammars = Grammars(tokenizer, model.config.vocab_size)
         self.runner = ModelRunner(model, self.kv, bs, self.eos_token_ids, self.grammars)
         self.spec = SpecCounters()
-        self.drafter = self._drafter(layout.num_blocks)
+        self.drafter = load_drafter(config, model, tokenizer, layout.num_blocks)
         self.requests: dict[str, Request] = {}  # live requests by their own id
         self.parents = ParentRequests()  # caller's id -> its live completions
         self.num_steps = 0
         self._admitted = 0
-        self._prefill_tokens = 0
-        self._decode_tokens = 0
-        self._finished = 0
-        self._aborted = 0
-        self._failed = 0
-
-    def _drafter(self, num_blocks: int) -> DraftProposer | None:
-        """The draft model's proposer, where the speculative config names one: loaded as
-        `serve --model` would load it, on the target's device, with as many blocks as the
-        target's pool (a draft's blocks are smaller). Its tokenizer must be the target's."""
-        spec = self.config.speculative
-        if spec is None or spec.model is None:
-            return None
-        from nanoserve.model import load
-
-        draft, tok = load(spec.model, device=str(self.model.device))
-        if not self.tokenizer.same_vocabulary(tok):
-            raise ConfigError(f"speculative_config.model {spec.model!r} does not share the "
-                              "target's tokenizer (a draft model must propose its tokens)")
-        return DraftProposer(draft, num_blocks, self.config.block_size,
-                             self.model.config.vocab_size)
+        self.counts = Counters()
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -98,11 +70,7 @@ class Engine:
         so every error that is knowable before the first token surfaces before admission."""
         prompt_ids = (self.tokenizer.encode_prompt(prompt) if isinstance(prompt, str)
                       else list(prompt))
-        if params.guided is not None:  # compiled here, off the step (and cached)
-            try:
-                self.grammars.check(params.guided)
-            except GrammarError as exc:
-                raise ParamError(exc.field, str(exc)) from None
+        check_guided(params, self.grammars)
         return check_request(prompt_ids, params, vocab_size=self.model.config.vocab_size,
                              max_model_len=self.max_model_len,
                              pool_tokens=self.pool.num_blocks * self.pool.block_size)
@@ -138,7 +106,7 @@ class Engine:
         updates, one per completion not yet finished; none if the id is unknown."""
         if request_id not in self.parents:
             return []
-        self._aborted += 1
+        self.counts.aborted_groups += 1
         return [u for req in self.parents.members(request_id)
                 for u in self._finish_all(req, FinishReason.ABORT)]
 
@@ -159,7 +127,7 @@ class Engine:
         """Schedule, run the model, fork what wants n completions, sample, then apply each
         row's token."""
         self.num_steps += 1
-        drafted = self._propose()
+        drafted = propose(self.config.speculative, self.scheduler.running, self.drafter)
         try:
             return self._step(bool(drafted))
         finally:
@@ -170,7 +138,7 @@ class Engine:
         schedule = self.scheduler.schedule()
         if drafted:
             schedule = self.scheduler.place_proposals(schedule)
-        preempted = self._ids(schedule.preempted)
+        preempted = tuple(r.request_id for r in schedule.preempted)
         if not schedule.scheduled:
             return StepResult(self.num_steps, (), preempted, 0, 0)
         try:
@@ -181,52 +149,17 @@ class Engine:
         except Exception as exc:  # a broken step fails its own requests, not the engine
             return StepResult(self.num_steps, self._fail_step(schedule, exc), preempted, 0, 0)
         w = ran.work
-        self._prefill_tokens += w.prefill
-        self._decode_tokens += w.decode
+        self.counts.add_work(w)
         accepted = self.spec.count(ran.requests, ran.tokens) if w.drafted else 0
         done = tuple(self._update(req, toks, lps) for req, toks, lps in ran.draws())
         return StepResult(self.num_steps, done, preempted, w.prefill, w.decode,
                           w.prefill_seqs, w.decode_context, w.prefill_attention,
                           w.prefill_cached_pairs, w.drafted, accepted)
 
-    def _propose(self) -> list[Request]:
-        """Set this step's proposals (engine/speculative.py): on a step with few enough
-        decoding requests, each that may speculate gets up to num_speculative_tokens (as
-        many as its record says pay, where adaptive), no more than its max_tokens leaves
-        room for. Returns the requests that got one."""
-        spec = self.config.speculative
-        if spec is None:
-            return []
-        decoding = [r for r in self.scheduler.running
-                    if r.num_output > 0 and r.num_computed == r.num_tokens - 1]
-        if len(decoding) > spec.disable_by_batch_size:
-            return []
-        drafted = []
-        for r in decoding:
-            most = spec.num_speculative_tokens
-            k = min(proposal_length(r.spec_rate, most) if spec.adaptive else most,
-                    r.max_tokens - r.num_output - 1)
-            if k < 1 or not speculates(r):
-                r.spec_rate += DRIFT * (PRIOR - r.spec_rate)
-                continue
-            if self.drafter is not None:
-                try:
-                    proposal = self.drafter.propose(r.request_id, r.token_ids, k)
-                except Exception:  # a failing draft costs its proposals, not the step
-                    self.drafter.drop(r.request_id)
-                    proposal = []
-            else:
-                proposal = ngram_proposal(r.token_ids, k, spec.prompt_lookup_min,
-                                          spec.prompt_lookup_max)
-            r.draft = allowed_prefix(r, proposal)
-            if r.draft:
-                drafted.append(r)
-        return drafted
-
     def _fail_step(self, schedule: Schedule, exc: Exception) -> tuple[Update, ...]:
         """End every request the failed step scheduled (all its completions) with the error."""
         failed = {s.request.group for s in schedule.scheduled}
-        self._failed += len(failed)
+        self.counts.failed += len(failed)
         return tuple(
             u
             for g in failed
@@ -260,16 +193,13 @@ class Engine:
             ending = take_token(req, token, logprobs[i], self.num_steps, self.eos_token_ids)
             if ending is not None:
                 return self._ended(req, ending, tuple(tokens[:i + 1]))
-        req.spec_rate = follow(req.spec_rate, len(req.draft), len(tokens) - 1)
-        req.num_computed += len(tokens) - 1
-        self.kv.commit(req)
-        self.kv.trim(req)
+        keep_proposal(req, tokens, self.kv)
         text = "" if req.detok is None else req.detok.pop_delta()
         return token_update(req, tuple(tokens), text, tuple(logprobs))
 
     def _ended(self, req: Request, ending: Ending, new_tokens: tuple[int, ...]) -> Update:
         """The last update of a request a step's token ended."""
-        self._failed += ending.reason is FinishReason.ERROR
+        self.counts.failed += ending.reason is FinishReason.ERROR
         return self._finish(req, ending, new_tokens)
 
     def _finish(self, req: Request, ending: Ending, new_tokens: tuple[int, ...] = ()) -> Update:
@@ -282,38 +212,12 @@ class Engine:
         del self.requests[req.request_id]
         self.parents.ended(req)
         if ending.reason is not FinishReason.ERROR and ending.reason is not FinishReason.ABORT:
-            self._finished += 1
-        text = ""
-        if req.detok is not None:
-            try:
-                text = req.detok.pop_delta() + req.detok.finish()
-            except Exception:  # the request is already failing; keep its error
-                text = ""
-        return final_update(req, ending.reason, new_tokens, text, ending.stop_reason,
+            self.counts.finished += 1
+        return final_update(req, ending.reason, new_tokens, final_text(req), ending.stop_reason,
                             ending.error, ending.error_param)
 
     # -- introspection ---------------------------------------------------------------------------
 
-    @staticmethod
-    def _ids(reqs: Sequence[Request]) -> tuple[str, ...]:
-        return tuple(r.request_id for r in reqs)
-
     def statistics(self) -> EngineStats:
-        pool = self.pool.statistics()
-        return EngineStats(
-            steps=self.num_steps,
-            running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting),
-            num_blocks=pool.num_blocks,
-            free_blocks=pool.free,
-            peak_used_blocks=pool.peak_used,
-            preemptions=self.scheduler.num_preemptions,
-            prefill_tokens=self._prefill_tokens,
-            decode_tokens=self._decode_tokens,
-            prefix_queries=pool.prefix_queries,
-            prefix_hits=pool.prefix_hits,
-            finished=self._finished,
-            aborted=self._aborted,
-            failed=self._failed,
-            spec=None if self.config.speculative is None else self.spec.stats(),
-        )
+        spec = None if self.config.speculative is None else self.spec.stats()
+        return engine_stats(self.num_steps, self.scheduler, self.pool, self.counts, spec)

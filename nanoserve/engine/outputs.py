@@ -65,7 +65,7 @@ class EngineStats:
     prefix_queries: int
     prefix_hits: int
     finished: int
-    aborted: int
+    aborted: int  # caller's requests abort_request ended (counters.py's aborted_groups)
     failed: int
     spec: SpecStats | None = None  # None: the engine does not speculate
 
@@ -182,6 +182,16 @@ def token_update(req: Request, tokens: tuple[int, ...], text: str,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs_update(req),
     )
+
+
+def final_text(req: Request) -> str:
+    """The text a finishing completion releases: all its detokenizer still held back."""
+    if req.detok is None:
+        return ""
+    try:
+        return req.detok.pop_delta() + req.detok.finish()
+    except Exception:  # the request is already failing; keep its error
+        return ""
 
 
 def final_update(req: Request, reason: FinishReason, new_tokens: tuple[int, ...], text: str,

@@ -129,7 +129,7 @@ class ModelRunner:
         """A request's constraint masks for its draws this step: before its proposal and
         after each of its tokens (the matcher walked through them, then back: the tokens
         kept are taken in by the engine, as any drawn token is). The proposal holds only
-        tokens the constraint allows (engine._propose cut it)."""
+        tokens the constraint allows (proposals.propose cut it)."""
         first = self._mask(r)
         if r.grammar is None:
             return [first] * (1 + len(r.draft))

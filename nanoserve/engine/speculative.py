@@ -19,7 +19,7 @@ d is kept with probability min(1, p(d) / q(d)) = p(d), the chance that a draw fr
 and when it is not, the draw is from p without d, renormalised: the residual
 max(0, p - q) the algorithm samples from. So the output has the target's distribution.
 
-The rest of the step follows from the count of tokens kept (engine.py): the request's KV
+The rest of the step follows from the count of tokens kept (proposals.py): the request's KV
 holds its last token and the proposal tokens that matched, the slots of the others are
 overwritten later, and the blocks wholly past them go back to the pool at once.
 

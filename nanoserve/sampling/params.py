@@ -1,11 +1,13 @@
 """SamplingParams: what a request asks of the sampler, validated in one place.
 
 Semantics follow vLLM and the OpenAI API, so a body that either accepts means the same
-thing here. Every check lives in `SamplingParams.__post_init__` (what can be judged from the
-params alone) or `check_context` (what needs the model and the prompt: vocabulary size and
-context length). A failure raises `ParamError`, whose `.field` names the offending field and
-whose message names the field, the value given and the range allowed, so the HTTP layer can
-turn it into a 400 without knowing anything about sampling.
+thing here. Every check of what can be judged from the params alone lives in
+`SamplingParams.__post_init__`; what needs the model and the prompt (token ids against the
+vocabulary, prompt plus max_tokens against the context and the KV pool, and max_tokens
+resolved where it is None) is engine/admission.py's. A failure raises `ParamError`, whose
+`.field` names the offending field and whose message names the field, the value given and
+the range allowed, so the HTTP layer can turn it into a 400 without knowing anything about
+sampling.
 
 The dataclass is not frozen (normalisation in `__post_init__` assigns fields), but treat it
 as immutable once built: the engine shares one instance among the n children of a request.
@@ -99,7 +101,9 @@ class SamplingParams:
     top_k: int = 0  # 0 (or -1, normalised to 0) means off
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int | None = None  # None: whatever the context leaves
+    # None: whatever the context leaves. Admission resolves it once (engine/admission.py):
+    # after that, Request.max_tokens is the value every reader uses.
+    max_tokens: int | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
@@ -174,19 +178,6 @@ class SamplingParams:
             self.prompt_logprobs = _int(
                 "prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS,
                 f"in [0, {MAX_LOGPROBS}] (or null)",
-            )
-
-    def check_context(self, *, vocab_size: int, max_model_len: int, prompt_len: int) -> None:
-        """Checks that need the model and the prompt; raises ParamError naming the field."""
-        for name, ids in (("logit_bias", list(self.logit_bias)),
-                          ("stop_token_ids", self.stop_token_ids)):
-            check_vocab(name, ids, vocab_size)
-        if self.max_tokens is not None and prompt_len + self.max_tokens > max_model_len:
-            over = prompt_len + self.max_tokens - max_model_len
-            raise ParamError(
-                "max_tokens",
-                f"prompt ({prompt_len} tokens) + max_tokens ({self.max_tokens}) exceeds "
-                f"max_model_len {max_model_len} by {over}",
             )
 
     def child(self, i: int) -> SamplingParams:
