@@ -15,6 +15,6 @@ cycle (pyproject.toml's contracts):
     http/        HTTP for sim's clients and servers
 
 and beside them cli_util.py (what the commands share: the error guard, `--engine`),
-stats.py (percentiles, durations, `--slo`), files.py (every file written whole or not at
-all) and live_fleet.py (N `serve` replicas behind SGLang's router).
+stats.py (percentiles, durations, `--slo`) and files.py (every file written whole or not at
+all). A fleet of real replicas is serving, not simulation: nanoserve/fleet.py.
 """

@@ -1,4 +1,4 @@
-"""`python -m sim.live_fleet N [flags] [serve flags]` (`just fleet N ...`): N `nanoserve serve`
+"""`python -m nanoserve.fleet N [flags] [serve flags]` (`just fleet N ...`): N `nanoserve serve`
 replicas behind SGLang's router, sglang-router 0.3.2 from PyPI (`just router-setup` puts it
 in .venv/router, apart from nanoserve's packages), on one front URL. (The modelled fleet of
 `sim capacity --replicas` is sim/capacity/fleet.py; this one runs real processes.)
@@ -101,7 +101,7 @@ class Child:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m sim.live_fleet", allow_abbrev=False,
+        prog="python -m nanoserve.fleet", allow_abbrev=False,
         description="N nanoserve replicas behind sglang-router; other flags go to every "
                     "`nanoserve serve`.")
     a = p.add_argument
