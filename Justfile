@@ -33,7 +33,7 @@ bench n="64": setup
 # Replay every committed trace through the real app on the stub (flags: --model smollm2,
 # --no-twin, --update, ...); prints one line per trace, or one per mismatch.
 replay *args: setup
-    {{py}} -m sim.cli replay traces/*.jsonl {{args}}
+    {{py}} -m sim.commands replay traces/*.jsonl {{args}}
 
 # Time the capacity simulator on 10,000 requests (flags: --cost COST.json, --n, --rate).
 capacity-bench *args: setup
@@ -56,7 +56,7 @@ peer-setup: setup
 # The soak: 200 concurrent clients (20% hang up, 10% read slowly) against the stub over a real
 # socket; prints the figures and exits 1 if a block leaked, a count is off or a twin differs.
 soak *args: setup
-    {{py}} -m sim.cli soak {{args}}
+    {{py}} -m sim.commands soak {{args}}
 
 # GuideLLM (vLLM's benchmark tool) in its own interpreter: nanoserve's packages, torch pin
 # included, through a .pth file, plus GuideLLM's own (kept apart, inside .venv/).

@@ -93,7 +93,7 @@ def main() -> int:
     assert up.stdout is not None
     up_url = up.stdout.readline().strip()
     out = Path(tempfile.mkdtemp()) / "proxied.jsonl"
-    proxy = subprocess.Popen([sys.executable, "-m", "sim.cli", "record", "--upstream", up_url,
+    proxy = subprocess.Popen([sys.executable, "-m", "sim.commands", "record", "--upstream", up_url,
                               "--out", str(out), "--port", "8139"], env=env,
                              stderr=subprocess.PIPE, text=True)
     assert proxy.stderr is not None

@@ -2,7 +2,7 @@
 expectation lines, whose figures tests/test_replay_faults.py checks by hand).
 
     python scripts/make_fault_traces.py [--out traces]
-    python -m sim.cli replay --update traces/fault_*.jsonl
+    python -m sim.commands replay --update traces/fault_*.jsonl
 
 Faults are injected by the replay (sim/replay/faults.py) as each header's `faults` say. Token 588,
 the one the tokenizer cannot decode, is what the stub samples greedily as the 11th token of

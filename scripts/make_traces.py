@@ -2,7 +2,7 @@
 the expectation lines, which are hand-checked where the note says so).
 
     python scripts/make_traces.py [--out traces]
-    python -m sim.cli replay --update traces/*.jsonl
+    python -m sim.commands replay --update traces/*.jsonl
 
 Every trace runs on the stub model, whose output is a deterministic function of each
 request's seed and token history; prompts are plain text, so nothing here needs a tokenizer.

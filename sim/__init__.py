@@ -1,7 +1,7 @@
 """sim: trace replay, synthetic loads and capacity planning on nanoserve's own engine.
 
-sim imports nanoserve; nanoserve never imports sim. `cli.py` is the only module that imports
-every command; each capability is a package, and no two of them import each other in a
+sim imports nanoserve; nanoserve never imports sim. `commands.py` is the only module that
+imports every command; each capability is a package, and no two of them import each other in a
 cycle (pyproject.toml's contracts):
 
     trace/       the trace format: read, written, checked, journaled while recording

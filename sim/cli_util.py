@@ -1,7 +1,7 @@
 """What every `sim` command's command line shares: the error guard, `--engine KEY=VALUE` and
 the trace options (`--trace FILE`, its format, window and time scale).
 
-It imports no command, so any command can use it without the import cycle that `cli.py`
+It imports no command, so any command can use it without the import cycle that `commands.py`
 (which imports every command) would make.
 """
 

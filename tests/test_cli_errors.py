@@ -35,7 +35,7 @@ MAINS: dict[str, Callable[[list[str]], int]] = {"nanoserve": nanoserve_cli.main,
 # What each command would do once its flags pass: reaching any of these is a failed row.
 WORK = ["trio.run", "nanoserve.bench._load", "nanoserve.llm.LLM", "nanoserve.model.load",
         "sim.capacity.capacity_commands.plan_capacity", "sim.capacity.validate.run_validate",
-        "sim.replay.replay_command.replay", "sim.cli.write_trace"]
+        "sim.replay.replay_command.replay", "sim.commands.write_trace"]
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MEMORY = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 NOT_A_FILE_INLINE = "(a template given inline holds {{ or {%)"
@@ -348,7 +348,7 @@ def test_serve_on_a_port_in_use_is_one_line_from_the_real_command() -> None:
      "nanoserve serve: error: argument --shutdown-grace: must be a finite number, got 'nan'"),
     (["nanoserve.cli", "bench", "--model", "stub", "--prompt-min", "10", "--prompt-max", "5"],
      "nanoserve bench: error: --prompt-min 10 is more than --prompt-max 5"),
-    (["sim.cli", "replay", "{tmp}/latin1.jsonl"],
+    (["sim.commands", "replay", "{tmp}/latin1.jsonl"],
      "sim replay: {tmp}/latin1.jsonl: line 2: not UTF-8 text (byte 0xe9 at column 51); a trace "
      "is JSON Lines in UTF-8"),
 ])

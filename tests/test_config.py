@@ -50,7 +50,7 @@ def run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
      "*.safetensors and tokenizer.json"),
     (["-m", "nanoserve.cli", "bench", "--model", "stub", "--max-num-seqs", "0"],
      "nanoserve bench: error: argument --max-num-seqs: must be an integer >= 1, got 0"),
-    (["-m", "sim.cli", "capacity", "--load", "n=4,prompt=fixed:8,output=fixed:4",
+    (["-m", "sim.commands", "capacity", "--load", "n=4,prompt=fixed:8,output=fixed:4",
       "--cost", "sim/costs/smollm2-cpu.json", "--engine", "num_blocks=4", "max_model_len=128"],
      "sim capacity: the KV pool (num_blocks 4 x block_size 16 = 64 tokens) cannot hold one "
      "sequence of max_model_len 128: raise num_blocks or kv_cache_memory, or lower "

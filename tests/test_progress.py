@@ -53,7 +53,7 @@ def on_pipes(argv: list[str]) -> str:
 
 
 def sim(*args: str) -> list[str]:
-    return [sys.executable, "-m", "sim.cli", *args]
+    return [sys.executable, "-m", "sim.commands", *args]
 
 
 @pytest.mark.parametrize(("argv", "bar", "quiet"), [

@@ -75,7 +75,7 @@ def serve(kind: str, bins: Path, gguf: Path, port: int, isa: str, quantization: 
 
 def online(url: str, label: str, concurrency: int, n: int, out: Path) -> dict[str, Any]:
     path = out / f"online_{label}_{concurrency}.json"
-    subprocess.run([PY, "-m", "sim.cli", "bench", "--url", url, "--label", label,
+    subprocess.run([PY, "-m", "sim.commands", "bench", "--url", url, "--label", label,
                     "--concurrency", str(concurrency), "--n", str(n), "--prompt", "fixed:128",
                     "--output", "fixed:64", "--out", str(path)], check=True,
                    stdout=subprocess.DEVNULL)

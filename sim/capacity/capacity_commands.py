@@ -1,4 +1,5 @@
-"""Command lines of `sim capacity`, `sim profile` and `sim validate` (registered by sim/cli.py).
+"""Command lines of `sim capacity`, `sim profile` and `sim validate` (sim/commands.py registers
+them).
 
   sim capacity (TRACE | --trace FILE | --load SPEC) --cost COST.json [--sweep rate=1,2,4,8]
                [--sweep num_blocks=...] [--sweep max_num_seqs=...] [--slo ttft_p99=2s,...]

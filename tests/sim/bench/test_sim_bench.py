@@ -324,7 +324,7 @@ async def test_http_error_status() -> None:
 
 
 def test_cli_dispatch_reports_a_bad_load(capsys: pytest.CaptureFixture[str]) -> None:
-    from sim.cli import main
+    from sim.commands import main
 
     assert main(["bench", "--url", "http://127.0.0.1:9", "--n", "3"]) == 2
     assert "needs a rate" in capsys.readouterr().err

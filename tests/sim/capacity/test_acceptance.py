@@ -29,7 +29,7 @@ from sim.capacity.measured import drive_fleet
 from sim.capacity.routers import Router
 from sim.capacity.summary import latencies
 from sim.capacity.validate import simulated
-from sim.cli import main
+from sim.commands import main
 from sim.load.workload import SimRequest, Workload, copy_workload, trace_workload
 from sim.trace.loader import load_trace
 

@@ -18,7 +18,7 @@ from sim.capacity.cost import CostModel
 from sim.capacity.plan import Plan, Planner
 from sim.capacity.report import dumps_report
 from sim.capacity.summary import measured, parse_slo
-from sim.cli import main
+from sim.commands import main
 from sim.load.spec import parse_load_spec
 from sim.load.workload import Workload, spec_workload
 from sim.stats import percentile_or_none

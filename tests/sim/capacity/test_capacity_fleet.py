@@ -28,8 +28,8 @@ from sim.capacity.fleet import Record, simulate
 from sim.capacity.measured import drive_bridge
 from sim.capacity.plan import flat
 from sim.capacity.validate import COMPARED, predict
-from sim.cli import main
 from sim.cli_util import engine_config
+from sim.commands import main
 from sim.load.spec import parse_load_spec
 from sim.load.synthetic import generate_load
 from sim.load.workload import SimRequest, spec_workload, trace_workload

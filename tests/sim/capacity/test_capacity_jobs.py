@@ -20,7 +20,7 @@ from sim.capacity.cost import CostModel
 from sim.capacity.parallel import collect, run_task
 from sim.capacity.plan import Plan
 from sim.capacity.summary import parse_slo
-from sim.cli import main
+from sim.commands import main
 from sim.load.spec import parse_load_spec
 from sim.load.workload import spec_workload
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from test_capacity_jobs import COST, _cli
 
-from sim.cli import main
+from sim.commands import main
 
 pytest.importorskip("ray")
 

@@ -19,7 +19,7 @@ from sim.capacity.cost import CostModel
 from sim.capacity.fleet import simulate
 from sim.capacity.plan import Plan, Planner
 from sim.capacity.routers import CacheAwareConfig, PrefixTree, Router
-from sim.cli import main
+from sim.commands import main
 from sim.load.workload import SimRequest
 
 COST = CostModel((0.01, 1e-4, 5e-4, 2e-3, 2e-6, 1e-8, 0.0, 0.0, 0.0, 0.0), name="synthetic-test",

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from sim.capacity.cost import CostModel
-from sim.cli import main
+from sim.commands import main
 
 ROOT = Path(__file__).resolve().parents[3]
 SAMPLES = ROOT / "traces" / "public"

@@ -14,7 +14,7 @@ from nanoserve.model.stub import StubModel
 from nanoserve.tokenizer import Tokenizer
 from sim.capacity.cost import FEATURES, CostModel, fit_coefficients, load_cost_model, step_features
 from sim.capacity.profile import QUICK_GRID, fit_profile, measure_grid
-from sim.cli import main
+from sim.commands import main
 
 LAW = (0.02, 1.5e-4, 3e-3, 2.5e-3, 4e-6, 2e-8, 6e-3, 4e-4, 0.0, 0.0)  # a known "machine"
 

@@ -20,7 +20,7 @@ from sim.capacity.cost import CostModel
 from sim.capacity.fleet import Record, simulate
 from sim.capacity.measured import drive_fleet
 from sim.capacity.routers import Router
-from sim.cli import main
+from sim.commands import main
 from sim.load.spec import parse_load_spec
 from sim.load.workload import SimRequest, spec_workload
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from nanoserve.tokenizer import Tokenizer
-from sim.cli import main
+from sim.commands import main
 from sim.load.azure import (
     ConvertError,
     convert_azure,
@@ -330,7 +330,7 @@ def test_arrivals_from_a_converted_trace(tmp_path: Path, csv_path: Path,
 @pytest.fixture
 def cli_tokenizer(monkeypatch: pytest.MonkeyPatch, tokenizer: Tokenizer) -> None:
     # The CLI resolves the model (hashing the GGUF) on every call; tests share one load.
-    monkeypatch.setattr("sim.cli.tokenizer", lambda name: tokenizer)
+    monkeypatch.setattr("sim.commands.tokenizer", lambda name: tokenizer)
 
 
 @pytest.mark.usefixtures("cli_tokenizer")

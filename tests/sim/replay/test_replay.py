@@ -19,7 +19,7 @@ import pytest
 
 from nanoserve.model.llama import LlamaModel
 from nanoserve.tokenizer import Tokenizer
-from sim import cli
+from sim import commands as cli
 from sim.replay.run import ReplayError, replay, twin_trace
 from sim.trace.expect import diff_value
 from sim.trace.format import Expectation
@@ -181,7 +181,7 @@ def test_the_digest_is_the_same_in_another_process() -> None:
     path = ROOT / "traces" / "slow_readers.jsonl"
     here = replay(path, twin=False).digest
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
-    out = subprocess.run([sys.executable, "-m", "sim.cli", "replay", "--no-twin", str(path)],
+    out = subprocess.run([sys.executable, "-m", "sim.commands", "replay", "--no-twin", str(path)],
                          capture_output=True, text=True, env=env, cwd=ROOT, check=True).stdout
     assert out.strip().endswith(f"digest {here[:16]}")
 

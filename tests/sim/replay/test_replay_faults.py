@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from nanoserve.bridge.loop import EngineLoop
-from sim import cli
+from sim import commands as cli
 from sim.replay.run import replay
 from sim.trace.format import Expectation
 from sim.trace.loader import TraceError, load_trace, loads_trace

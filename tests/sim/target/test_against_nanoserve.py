@@ -17,7 +17,7 @@ from support.server_harness import make_engine
 
 from nanoserve.bridge.clock import LiveClock
 from nanoserve.server import ServerConfig, create_app
-from sim import cli
+from sim import commands as cli
 from sim.http.loopback import hypercorn_on_loopback
 from sim.target import checks, load, pacing, target_command, wire
 from sim.target.outcome import Outcome, Report
