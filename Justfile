@@ -87,7 +87,7 @@ agents-setup: setup
 # --port, --policy cache_aware|round_robin|..., --log-dir; the rest go to every replica,
 # e.g. `just fleet 2 --model stub`). docs/scaling.md.
 fleet n *args: setup router-setup
-    {{py}} -m nanoserve.fleet {{n}} {{args}}
+    {{py}} -m nanoserve.live_fleet {{n}} {{args}}
 
 # GuideLLM against `nanoserve serve` (SmolLM2) at 1 and 16 concurrent streams, 128-token
 # prompts and 64 output tokens: its TTFT, ITL and throughput (flags: --model, --streams, ...).

@@ -3,8 +3,8 @@
 Layers, top to bottom; a module imports only from layers below it (docs/ARCHITECTURE.md). The
 contracts in pyproject.toml (import-linter: `just lint`, tests/test_layers.py) check it:
 
-    cli, fleet    `nanoserve serve | generate | bench`; N `serve` replicas behind SGLang's
-                  router (`python -m nanoserve.fleet N`)
+    cli, live_fleet  `nanoserve serve | generate | bench`; N `serve` replicas behind SGLang's
+                  router (`python -m nanoserve.live_fleet N`)
     server/       HTTP: OpenAI routes, SSE, metrics (Quart-Trio on Hypercorn)
     bridge/       AsyncEngine, the Trio bridge: inbox, loop task, per-request channels;
                   the step, live and virtual clocks that turn a step into time

@@ -16,5 +16,5 @@ cycle (pyproject.toml's contracts):
 
 and beside them cli_util.py (what the commands share: the error guard, `--engine`),
 stats.py (percentiles, durations, `--slo`) and files.py (every file written whole or not at
-all). A fleet of real replicas is serving, not simulation: nanoserve/fleet.py.
+all). A fleet of real replicas is serving, not simulation: nanoserve/live_fleet.py.
 """

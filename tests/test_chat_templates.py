@@ -76,10 +76,10 @@ TOOL = {"type": "function", "function": {
 def test_tools_and_tool_turns_render_as_transformers_renders_them(folder: Path) -> None:
     """A tool loop through each model's own template: the tools (`tools=`, as transformers
     passes them), an assistant turn carrying tool_calls and the tool's result, as the chat
-    route hands them over (server/body/types.py: arguments as an object)."""
+    route hands them over (server/body/parts.py: arguments as an object)."""
     from transformers import AutoTokenizer
 
-    from nanoserve.server.body.types import Message
+    from nanoserve.server.body.parts import Message
 
     ours = Tokenizer.from_folder(folder)
     theirs = AutoTokenizer.from_pretrained(folder)

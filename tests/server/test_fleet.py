@@ -1,11 +1,11 @@
-"""A fleet: `python -m nanoserve.fleet 2 --model stub` (two `nanoserve serve` replicas behind
+"""A fleet: `python -m nanoserve.live_fleet 2 --model stub` (two `nanoserve serve` replicas behind
 sglang-router 0.3.2, from .venv/router: `just router-setup`, which `just test` runs first) as
 real processes on real sockets.
 
 - 200 mixed requests through the router (completions and chat, streamed and not, some with
   n=2, 16 at a time, the official `openai` client) all succeed, complete, and reach both
   replicas: each replica's request counter in /metrics, summed, is exactly 200.
-- SIGKILL one replica under load. nanoserve/fleet.py keeps the router's retries, spread over
+- SIGKILL one replica under load. nanoserve/live_fleet.py keeps the router's retries, spread over
   longer than its health checks take to drop a dead replica, so a unary request on the dead
   replica is re-run on the other and only a stream already under way can fail: every
   failure is such a stream, there are at most as many as the router had on that replica
@@ -37,7 +37,7 @@ import openai
 import pytest
 import trio
 
-from nanoserve.fleet import ROUTER_PYTHON
+from nanoserve.live_fleet import ROUTER_PYTHON
 
 pytestmark = pytest.mark.skipif(
     not ROUTER_PYTHON.exists(),
@@ -74,7 +74,7 @@ async def fleet(tmp_path: Path, *flags: str, n: int = 2) -> AsyncIterator[Fleet]
     """The launcher, up; on leaving, SIGTERM to it, which must exit 0 having ended every
     child (checked the moment it has exited: it waits for them itself)."""
     logs = tmp_path / "logs"
-    cmd = [sys.executable, "-m", "nanoserve.fleet", str(n), "--model", "stub", "--log-dir",
+    cmd = [sys.executable, "-m", "nanoserve.live_fleet", str(n), "--model", "stub", "--log-dir",
            str(logs), *flags]
     async with trio.open_nursery() as nursery:
         with (tmp_path / "fleet.err").open("wb") as err:

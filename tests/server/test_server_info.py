@@ -1,5 +1,6 @@
 """`GET /server_info`: the one field of SGLang's route of that name that sglang-router reads
-when it registers a replica (nanoserve/fleet.py; tests/server/test_fleet.py runs the router)."""
+when it registers a replica (nanoserve/live_fleet.py; tests/server/test_fleet.py runs the
+router)."""
 
 from __future__ import annotations
 

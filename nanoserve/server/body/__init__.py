@@ -4,7 +4,7 @@
                  entry: the rules that span several fields)
     protocol.py  one served model's request models: validation, and /openapi.json's schemas
     generation_models.py  the generation routes' bodies (the sampling fields, each route's)
-    types.py     what the bodies are built from: lax scalars, ranges, Message, Bounds
+    parts.py     what the bodies are built from: lax scalars, ranges, Message, Bounds
     constraints.py  a request's structured-output constraint (response_format, guided_*)
     limits.py    a request's size limits, checked before the work they bound
     nesting.py   how deep a JSON text nests, found without parsing it

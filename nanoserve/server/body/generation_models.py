@@ -2,10 +2,10 @@
 fields every generation request shares, those SamplingParams takes, with its ranges
 (nanoserve/sampling/params.py), and each route's own.
 
-They are apart from server/body/protocol.py, which assembles one served model's set of models and
+They are apart from protocol.py, which assembles one served model's set of models and
 validates with them, because they are most of the API's surface: the sampling fields, vLLM's
 extras and the structured-output objects. Built per served model (its name and bounds, see
-body_types.Bounds); protocol() caches them.
+parts.Bounds); protocol() caches them.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from nanoserve.sampling.params import (
     MIN_SEED,
 )
 from nanoserve.sampling.params import MAX_STOP_STRINGS as MAX_STOP
-from nanoserve.server.body.types import Body, Bool, Bounds, Int, Message, Number, documented
+from nanoserve.server.body.parts import Body, Bool, Bounds, Int, Message, Number, documented
 
 
 class StreamOptions(Body):

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nanoserve.server.body.types import Message
+from nanoserve.server.body.parts import Message
 from nanoserve.server.errors import bad_request
 from nanoserve.server.settings import RequestLimits
 

@@ -33,8 +33,8 @@ from nanoserve.server.body.limits import (
     message_chars,
 )
 from nanoserve.server.body.nesting import MAX_DEPTH, deep_field, too_deep
+from nanoserve.server.body.parts import Message
 from nanoserve.server.body.protocol import Protocol, validate
-from nanoserve.server.body.types import Message
 from nanoserve.server.errors import ApiError, bad_request, from_param_error
 from nanoserve.server.settings import AgentSettings
 from nanoserve.server.tools.output import OutputPlan

@@ -1,9 +1,9 @@
 """The request bodies of the API as pydantic models: what parse checks, and what
 `/openapi.json` documents, declared once. This module assembles one served model's set
 (the generation routes' from server/body/generation_models.py, the tokenizer routes' here, all
-built from server/body/types.py), validates a body with it, and writes its JSON schemas.
+built from server/body/parts.py), validates a body with it, and writes its JSON schemas.
 
-The models check types and shapes the way vLLM's do (lax: server/body/types.py says how).
+The models check types and shapes the way vLLM's do (lax: server/body/parts.py says how).
 A failure is a 400 whose `param` is the path of the bad value (`messages[0].role`,
 `response_format.json_schema.name`), or the field when several of its items are bad; the
 message names each of them (a few, then how many more). Value ranges
@@ -30,7 +30,7 @@ from pydantic.json_schema import GenerateJsonSchema
 
 from nanoserve.server.body.generation_models import generation_models
 from nanoserve.server.body.invalid import api_error
-from nanoserve.server.body.types import Body, Bool, Bounds, Int, Message, documented
+from nanoserve.server.body.parts import Body, Bool, Bounds, Int, Message, documented
 
 Schema = dict[str, Any]
 

@@ -1,7 +1,8 @@
-"""`python -m nanoserve.fleet N [flags] [serve flags]` (`just fleet N ...`): N `nanoserve serve`
-replicas behind SGLang's router, sglang-router 0.3.2 from PyPI (`just router-setup` puts it
-in .venv/router, apart from nanoserve's packages), on one front URL. (The modelled fleet of
-`sim capacity --replicas` is sim/capacity/fleet.py; this one runs real processes.)
+"""`python -m nanoserve.live_fleet N [flags] [serve flags]` (`just fleet N ...`): N
+`nanoserve serve` replicas behind SGLang's router, sglang-router 0.3.2 from PyPI (`just
+router-setup` puts it in .venv/router, apart from nanoserve's packages), on one front URL.
+(The modelled fleet of `sim capacity --replicas` is sim/capacity/fleet.py; this one runs
+real processes.)
 
 The order: every replica on a free port of 127.0.0.1 (flags this program does not know are
 passed to each, `--model stub` ...), each polled until its `/health` answers 200; then the
@@ -101,7 +102,7 @@ class Child:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m nanoserve.fleet", allow_abbrev=False,
+        prog="python -m nanoserve.live_fleet", allow_abbrev=False,
         description="N nanoserve replicas behind sglang-router; other flags go to every "
                     "`nanoserve serve`.")
     a = p.add_argument
