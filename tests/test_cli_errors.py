@@ -28,7 +28,7 @@ import torch
 
 from nanoserve import cli as nanoserve_cli
 from nanoserve.model.loader import embedded_gguf_path
-from sim import cli as sim_cli
+from sim import commands as sim_cli
 
 MAINS: dict[str, Callable[[list[str]], int]] = {"nanoserve": nanoserve_cli.main,
                                                 "sim": sim_cli.main}
