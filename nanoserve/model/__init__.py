@@ -79,9 +79,15 @@ def load(name: str, options: LoadOptions = _DEFAULTS, **changes: Any
                                     quantization=o.quantization)
     model = LlamaModel(config, weights, device=o.device, dtype=torch_dtype(o.dtype))
     if o.int8_activations:
-        from nanoserve.model.int8 import CALIBRATION_TEXT, attach, int8_projections
+        from nanoserve.model.int8 import (
+            CALIBRATION_TEXT,
+            attach,
+            int8_gemm_pays,
+            int8_projections,
+        )
 
-        attach(model, int8_projections(model.layers), tok.encode(CALIBRATION_TEXT))
+        if int8_gemm_pays():  # else the prefill keeps its exact path (int8.py says why)
+            attach(model, int8_projections(model.layers), tok.encode(CALIBRATION_TEXT))
         if model.kernels is not None:  # batch-1 steps: csrc/q8dot.cpp
             from nanoserve.model.native import act8_suffix
 

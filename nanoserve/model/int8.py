@@ -7,8 +7,11 @@ offline run: the projections of a step with many rows (a prompt's prefill), wher
 default dequantizes the weight and calls MKL's sgemm. There it rounds each row of the
 activations to int8 with its own scale (the row's largest magnitude maps to 127), multiplies
 by an int8 copy of the weight with one scale per output channel through PyTorch's own
-int8 GEMM (`torch._int_mm`, oneDNN: VNNI where the CPU has it, `vpmaddubsw` on AVX2), and
-scales the int32 sums back. Rows below `INT8_FROM_ROWS` (decode) keep their exact path.
+int8 GEMM (`torch._int_mm`), and scales the int32 sums back. Rows below `INT8_FROM_ROWS`
+(decode) keep their exact path. That GEMM is oneDNN's only where PyTorch sends it there
+(the AVX-512 VNNI hosts); elsewhere it is a plain loop, on a Zen 3 (AVX2, no VNNI) 0.6
+GOP/s against sgemm's 28 at 128 x 2048 x 2048, so `int8_gemm_pays` measures it once and
+the prefill keeps its exact path where it loses.
 
 The int8 weight is made once, at load, from the weight's exact values (a GGUF block's
 dequantization), so it costs one byte per weight beside the blocks. Accuracy is measured,
@@ -18,7 +21,8 @@ from the exact path over a public-domain text.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -59,6 +63,27 @@ class Int8Weight:
         """x [T, in] float32 -> [T, out] float32."""
         xq, xscale = quantize_rows(x * self.inv_smooth)
         return (torch._int_mm(xq, self.q) * xscale).mul_(self.scale)
+
+
+def int8_gemm_pays() -> bool:
+    """Whether PyTorch's int8 GEMM beats its float32 one here, at the smallest row count the
+    int8 path takes (INT8_FROM_ROWS by 256 by 256, the best of three after one untimed
+    call each). Where it runs oneDNN it is the faster by a factor; where it runs PyTorch's
+    plain loop, slower by 20-50x: no noise decides between the two."""
+    a = torch.ones(INT8_FROM_ROWS, 256, dtype=torch.int8)
+    b = torch.ones(256, 256, dtype=torch.int8)
+    af, bf = a.float(), b.float()
+
+    def best(fn: Callable[[], object]) -> float:
+        fn()
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    return best(lambda: torch._int_mm(a, b)) < best(lambda: af @ bf)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,14 +1,18 @@
 """--int8-activations (model/int8.py): the int8 path is taken from INT8_FROM_ROWS rows and
-no sooner, its products stay close to the exact ones, and smoothing is what keeps an
-outlier channel from taking the other channels' bits."""
+no sooner, its products stay close to the exact ones, smoothing is what keeps an outlier
+channel from taking the other channels' bits, and the prefill takes it only where PyTorch's
+int8 GEMM is the faster."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from support.tiny_llama import write_tiny_llama
 
-from nanoserve.model import load
-from nanoserve.model.int8 import INT8_FROM_ROWS, Int8Weight, quantize_rows
+from nanoserve.model import int8, load
+from nanoserve.model.int8 import INT8_FROM_ROWS, Int8Weight, int8_projections, quantize_rows
 from nanoserve.model.linear import Proj
 
 
@@ -52,3 +56,32 @@ def test_smoothing_keeps_an_outlier_channel_from_taking_the_others_bits() -> Non
 def test_int8_activations_refuse_what_they_cannot_run_on() -> None:
     with pytest.raises(ValueError, match="int8_activations"):
         load("stub", int8_activations=True)
+
+
+@pytest.mark.parametrize("pays", [True, False])
+def test_the_prefill_takes_int8_only_where_the_int8_gemm_is_faster(
+    pays: bool, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, smollm2_folder: Path,
+) -> None:
+    """Where torch._int_mm is PyTorch's plain loop (a Zen 3: 45x slower than sgemm), an
+    int8 prefill would be that much slower: the projections keep their exact path."""
+    monkeypatch.setattr(int8, "int8_gemm_pays", lambda: pays)
+    model, _ = load(str(write_tiny_llama(tmp_path / "tiny", smollm2_folder)),
+                    int8_activations=True)
+    projections = int8_projections(model.layers)  # type: ignore[attr-defined]  # a LlamaModel
+    assert [p.int8 is not None for p in projections] == [pays] * 6
+
+
+def test_the_int8_gemm_is_measured_against_the_float32_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    slow = torch._int_mm
+
+    def slower(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        for _ in range(40):
+            out = slow(a, b)
+        return out
+
+    monkeypatch.setattr(int8.torch, "_int_mm", slower)
+    assert not int8.int8_gemm_pays()
+    monkeypatch.setattr(int8.torch, "_int_mm", lambda a, b: torch.empty(0))
+    assert int8.int8_gemm_pays()
