@@ -79,6 +79,16 @@ Q8_INLINE __m256i dot4(__m256i u, __m256i s) {
   }
 }
 
+// VNNI only: acc plus dot4(u, s), in the one instruction.
+Q8_INLINE __m256i dot4_acc(__m256i acc, __m256i u, __m256i s) {
+#if defined(NANOSERVE_AVX512)
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
+#else
+  asm("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(s));
+#endif
+  return acc;
+}
+
 // acc plus each 32-bit lane's two products of p's 16-bit integers by s's: VNNI's vpdpwssd
 // (the same EVEX or VEX choice as above), else vpmaddwd and an add; the same sums.
 template <bool Vnni>
@@ -119,15 +129,22 @@ Q8_INLINE __m256i nibbles32(const uint8_t* qs) {
 
 // One row of x as the kernels read it: int8 values, one scale per `group` values (dx: 32
 // for the one-unit formats and Q6_K, as llama.cpp's Q8_0; 256 for Q4_K, as its Q8_K), and
-// the exact float32 sums of each 16 and each 32 values (the offsets' multipliers). `pairs`
-// (Q4_K on AVX-512) stores each superblock's eight units of 32 in the order 0, 2, 1, 3, 4,
-// 6, 5, 7: the order in which 64 bytes of Q4_K quants hold them (kernel below).
+// the exact float32 sums of each 16 and each 32 values (the offsets' multipliers). The
+// layout is the order the kernel reads the int8 values in: kPairs (Q4_K on AVX-512) stores
+// each superblock's eight units of 32 in the order 0, 2, 1, 3, 4, 6, 5, 7, the order in which
+// 64 bytes of Q4_K quants hold them; kSplit (Q4_0, Q4_1) stores each whole group of eight
+// units as four 64-byte runs, run k: the first halves of units k and k + 4, then their second
+// halves, the order in which one register holds two blocks' nibbles (`split_dot`); units
+// after the last whole group stay in place.
+enum class Layout { kNatural, kPairs, kSplit };
+
 struct Act8 {
   std::vector<int8_t> q;
   std::vector<float> dx, sum16, sum32;
 
-  Act8(const float* x, int64_t K, int64_t group, bool pairs)
+  Act8(const float* x, int64_t K, int64_t group, Layout layout)
       : q(K), dx(K / group), sum16(K / 16), sum32(K / kUnit) {
+    const int64_t split_units = layout == Layout::kSplit ? K / kUnit / 8 * 8 : 0;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t g = 0; g < K / group; ++g) {
       const float* xg = x + g * group;
@@ -151,9 +168,16 @@ struct Act8 {
         }
         // int32 -> int8, in order: the packs work within 128-bit lanes, hence the permute.
         const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
-        const int64_t slot = pairs ? (b & ~int64_t{3}) | ((b & 1) << 1) | ((b >> 1) & 1) : b;
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.data() + slot * kUnit),
-                            _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        const __m256i ordered = _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        if (b < split_units) {  // run b % 4 of its group; the second 16 bytes for b % 8 >= 4
+          int8_t* run = q.data() + (b & ~int64_t{7}) * kUnit + (b & 3) * 64 + (b & 4) * 4;
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(run), _mm256_castsi256_si128(ordered));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(run + 32), _mm256_extracti128_si256(ordered, 1));
+        } else {
+          const int64_t slot =
+              layout == Layout::kPairs ? (b & ~int64_t{3}) | ((b & 1) << 1) | ((b >> 1) & 1) : b;
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.data() + slot * kUnit), ordered);
+        }
         sum16[2 * b] = hsum8(_mm256_add_ps(v[0], v[1]));
         sum16[2 * b + 1] = hsum8(_mm256_add_ps(v[2], v[3]));
         sum32[b] = sum16[2 * b] + sum16[2 * b + 1];
@@ -203,17 +227,24 @@ enum class Offset { kNone, kD, kM };
 
 struct Q4_0 {
   static constexpr int64_t kBytes = 18;
+  static constexpr int64_t kNibbles = 2;  // where the 16 bytes of nibbles start
   static constexpr float kOffset = -8.0f;
   static constexpr Offset kBy = Offset::kD;
-  static Q8_INLINE __m256i quants(const uint8_t* b) { return nibbles32(b + 2); }
+  static Q8_INLINE __m256i quants(const uint8_t* b) { return nibbles32(b + kNibbles); }
 };
 
 struct Q4_1 {
   static constexpr int64_t kBytes = 20;
+  static constexpr int64_t kNibbles = 4;
   static constexpr float kOffset = 1.0f;
   static constexpr Offset kBy = Offset::kM;
-  static Q8_INLINE __m256i quants(const uint8_t* b) { return nibbles32(b + 4); }
+  static Q8_INLINE __m256i quants(const uint8_t* b) { return nibbles32(b + kNibbles); }
 };
+
+// The formats whose eight-block groups read two blocks a register (Act8's kSplit): their
+// quants are nibbles alone (Q5's fifth bits would need spreading to match).
+template <class F>
+constexpr bool kSplit = std::is_same_v<F, Q4_0> || std::is_same_v<F, Q4_1>;
 
 // A 32-weight block's fifth bits (bit j of the little-endian word at qh: weight j's) as
 // 0x10 or 0 in byte j: each byte takes its word's byte j / 8, keeps bit j % 8, and a compare
@@ -279,6 +310,51 @@ Q8_INLINE __m256i heads8(const uint8_t* b) {
   return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
 }
 
+// Blocks k and k + 4 of an eight-block group at once: their 16 bytes of nibbles in one
+// register (k's low 128 bits, k + 4's high), so one and, one shift and one more and unpack
+// both, where one block alone took a broadcast, a shift and an and. `a`: Act8's run k (kSplit).
+// Lanes 0-3: partial sums of block k's dot, lanes 4-7 of block k + 4's. Without VNNI the two
+// halves' pair sums are added in 16 bits before widening: each is at most 2 * 15 * 127, so
+// their sum fits.
+template <class F, bool V>
+Q8_INLINE __m256i split_dot(const uint8_t* b, const int8_t* a) {
+  const __m128i* lo = reinterpret_cast<const __m128i*>(b + F::kNibbles);
+  const __m128i* hi = reinterpret_cast<const __m128i*>(b + 4 * F::kBytes + F::kNibbles);
+  const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(lo)), _mm_loadu_si128(hi), 1);
+  const __m256i first = low4(v), second = high4(v);  // weights 0-15, then 16-31, of both
+  if constexpr (V) {
+    return dot4_acc(dot4<V>(first, load256(a)), second, load256(a + 32));
+  } else {
+    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(first, load256(a)),
+                                           _mm256_maddubs_epi16(second, load256(a + 32)));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+  }
+}
+
+// Lane i of the result: the sum of block i's partial sums, r[k] holding blocks k and k + 4
+// (split_dot); the same sums tree8 gives, in the same lanes.
+Q8_INLINE __m256i tree4(const __m256i (&r)[4]) {
+  // Lanes of a: blocks 0, 1, 0, 1 | 4, 5, 4, 5; of c: 2, 3, 2, 3 | 6, 7, 6, 7.
+  const __m256i a = _mm256_add_epi32(_mm256_unpacklo_epi32(r[0], r[1]), _mm256_unpackhi_epi32(r[0], r[1]));
+  const __m256i c = _mm256_add_epi32(_mm256_unpacklo_epi32(r[2], r[3]), _mm256_unpackhi_epi32(r[2], r[3]));
+  return _mm256_add_epi32(_mm256_unpacklo_epi64(a, c), _mm256_unpackhi_epi64(a, c));
+}
+
+template <class F, bool V>
+Q8_INLINE __m256i group_dots(const Act8& x, const uint8_t* b, int64_t i) {
+  if constexpr (kSplit<F>) {
+    __m256i r[4];
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) r[k] = split_dot<F, V>(b + k * F::kBytes, x.q.data() + i * kUnit + 64 * k);
+    return tree4(r);
+  } else {
+    __m256i r[8];
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k) r[k] = unit_dot<F, V>(b + k * F::kBytes, x.q.data() + (i + k) * kUnit);
+    return tree8(r);
+  }
+}
+
 template <class F, bool V>
 float one_unit_row(const Act8& x, const uint8_t* row, int64_t nb) {
   __m256 acc = _mm256_setzero_ps(), offv = _mm256_setzero_ps();
@@ -286,10 +362,7 @@ float one_unit_row(const Act8& x, const uint8_t* row, int64_t nb) {
   for (; i + 8 <= nb; i += 8) {
     const uint8_t* b = row + i * F::kBytes;
     for (int64_t l = 0; l < 8 * F::kBytes; l += 64) __builtin_prefetch(b + kPrefetch + l);
-    __m256i r[8];
-#pragma GCC unroll 8
-    for (int k = 0; k < 8; ++k) r[k] = unit_dot<F, V>(b + k * F::kBytes, x.q.data() + (i + k) * kUnit);
-    const __m256 dots = _mm256_cvtepi32_ps(tree8(r));
+    const __m256 dots = _mm256_cvtepi32_ps(group_dots<F, V>(x, b, i));
     // The eight blocks' first four bytes: d (and m) as float16 pairs; d0-d7 to the low
     // 128 bits, m0-m7 to the high.
     const __m256i head = heads8<F::kBytes>(b);
@@ -473,7 +546,8 @@ void gemv8(const float* x, int64_t K, const uint8_t* blocks, int64_t N, float* o
 #else
   constexpr bool kPairs = false;
 #endif
-  const Act8 act(x, K, kGroup<F>, kPairs);
+  constexpr Layout kLayout = kPairs ? Layout::kPairs : kSplit<F> ? Layout::kSplit : Layout::kNatural;
+  const Act8 act(x, K, kGroup<F>, kLayout);
   const int64_t bytes = row_bytes<F>(K);
   at::parallel_for(0, N, 32, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) out[n] = row_dot<F, V>(act, blocks + n * bytes, K);
