@@ -205,7 +205,8 @@ Q8_INLINE int32_t load32(const uint8_t* p) {
 // vectors are then summed lane-wise into one vector of eight dots (tree8), converted once
 // and scaled by eight blocks' d * dx in one multiply-add. Block by block, each dot's
 // horizontal sum, its conversion and its scalar scale were most of the work (one thread, in
-// cache, Q4_0: 13 -> 20 GB/s). A row's last nb % 8 blocks go one at a time.
+// cache, Q4_0: 13 -> 20 GB/s). Q4_0 and Q4_1 form two blocks' dots in one vector
+// (split_dot, tree4). A row's last nb % 8 blocks go one at a time.
 
 // Sums lane-wise: lane i of the result is the sum of r[i]'s eight lanes.
 Q8_INLINE __m256i tree8(const __m256i (&r)[8]) {
