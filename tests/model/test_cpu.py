@@ -249,11 +249,7 @@ def test_importing_the_kernels_caps_onednn_before_int8_activations_run() -> None
         "w, x = torch.randn(96, 64), torch.randn(128, 64)\n"
         "Int8Weight(w, x.abs().amax(dim=0))(x)\n"
         "print('cap', os.environ['ONEDNN_MAX_CPU_ISA'])\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA",
-                                                            "DNNL_MAX_CPU_ISA")}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={**env, "ONEDNN_VERBOSE": "1"}, check=True, timeout=300)
-    lines = done.stdout.splitlines()
+    lines = _onednn_verbose(code).splitlines()
     assert "cap AVX2" in lines
     if not _onednn_runs_int_mm():
         pytest.skip("PyTorch's torch._int_mm does not call oneDNN on this CPU (it does where "
@@ -265,11 +261,15 @@ def test_importing_the_kernels_caps_onednn_before_int8_activations_run() -> None
 def _onednn_runs_int_mm() -> bool:
     """Whether torch._int_mm reaches oneDNN on the real CPU: on a Zen 3 (AVX2, no VNNI) it
     runs PyTorch's own loop, and oneDNN prints no verbose line."""
-    code = ("import torch\n"
-            "torch._int_mm(torch.ones(32, 64, dtype=torch.int8), "
-            "torch.ones(64, 32, dtype=torch.int8))\n")
+    return ",isa:" in _onednn_verbose("import torch\n"
+                                      "torch._int_mm(torch.ones(32, 64, dtype=torch.int8), "
+                                      "torch.ones(64, 32, dtype=torch.int8))\n")
+
+
+def _onednn_verbose(code: str) -> str:
+    """`code`'s output in a fresh process with oneDNN's verbose lines and no ISA cap set."""
     env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA",
                                                             "DNNL_MAX_CPU_ISA")}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={**env, "ONEDNN_VERBOSE": "1"}, check=True, timeout=300)
-    return ",isa:" in done.stdout
+    return done.stdout

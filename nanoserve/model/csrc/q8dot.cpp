@@ -60,26 +60,10 @@ Q8_INLINE float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
 }
 
-// Each 32-bit lane of the result: the sum of four products of u's bytes (unsigned) by s's
-// (signed). Vnni: one vpdpbusd, written as assembly so that the library's compiler flags
-// need not claim VNNI (the caller checks the CPU's flags): the EVEX form (AVX512-VNNI with
-// VL) in the AVX-512 build, the VEX form (AVX-VNNI) in the AVX2 build.
-template <bool Vnni>
-Q8_INLINE __m256i dot4(__m256i u, __m256i s) {
-  if constexpr (Vnni) {
-    __m256i acc = _mm256_setzero_si256();
-#if defined(NANOSERVE_AVX512)
-    asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
-#else
-    asm("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(s));
-#endif
-    return acc;
-  } else {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-  }
-}
-
-// VNNI only: acc plus dot4(u, s), in the one instruction.
+// acc plus, in each 32-bit lane, the sum of four products of u's bytes (unsigned) by s's
+// (signed): one vpdpbusd, written as assembly so that the library's compiler flags need not
+// claim VNNI (the caller checks the CPU's flags): the EVEX form (AVX512-VNNI with VL) in the
+// AVX-512 build, the VEX form (AVX-VNNI) in the AVX2 build. VNNI only.
 Q8_INLINE __m256i dot4_acc(__m256i acc, __m256i u, __m256i s) {
 #if defined(NANOSERVE_AVX512)
   asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
@@ -87,6 +71,16 @@ Q8_INLINE __m256i dot4_acc(__m256i acc, __m256i u, __m256i s) {
   asm("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(s));
 #endif
   return acc;
+}
+
+// Those sums alone: dot4_acc from zero with VNNI, else vpmaddubsw and vpmaddwd (the same).
+template <bool Vnni>
+Q8_INLINE __m256i dot4(__m256i u, __m256i s) {
+  if constexpr (Vnni) {
+    return dot4_acc(_mm256_setzero_si256(), u, s);
+  } else {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+  }
 }
 
 // acc plus each 32-bit lane's two products of p's 16-bit integers by s's: VNNI's vpdpwssd
