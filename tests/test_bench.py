@@ -41,3 +41,28 @@ def test_the_last_level_cache_is_read_from_sysfs(monkeypatch: pytest.MonkeyPatch
     real = bench.Path
     monkeypatch.setattr(bench, "Path", lambda p: tmp_path if "cache" in str(p) else real(p))
     assert bench.last_level_cache_bytes() == 32 << 20
+
+
+def test_each_round_sets_a_decode_against_the_read_just_before_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from nanoserve.bench import decode
+
+    events: list[str] = []
+    speeds = iter([20e9, 10e9, 40e9])  # bytes/s of the three rounds' reads
+    rates = iter([30.0, 12.0, 45.0])  # tok/s of their decodes
+
+    def read(times: int) -> float:
+        events.append(f"read x{times}")
+        return next(speeds)
+
+    def single_stream(model: object, tok: object, prompt: list[int], n: int,
+                      speculative: object = None) -> float:
+        events.append(f"decode {n}")
+        return next(rates)
+
+    monkeypatch.setattr(decode, "single_stream", single_stream)
+    shares = decode.shares_of_bound(None, None, [1, 2], 1_000_000_000,  # type: ignore[arg-type]
+                                    read, 3, 16)
+    assert events == ["read x3", "decode 16"] * 3
+    # Round by round: 30 tok/s of a 20 tok/s bound, 12 of 10, 45 of 40.
+    assert shares == [1.5, 1.2, 1.125]

@@ -85,6 +85,21 @@ def single_stream(model: Model, tok: Tokenizer, prompt: list[int], n: int,
     return (n - 1) / seconds
 
 
+def shares_of_bound(model: Model, tok: Tokenizer, prompt: list[int], weight_bytes: int,
+                    read: Callable[[int], float], rounds: int, n: int,
+                    speculative: SpeculativeConfig | None = None) -> list[float]:
+    """Batch-1 decode's share of the read-bandwidth bound, `rounds` times: each round reads
+    the weights' size (`read`, best of three) and then decodes `n` tokens (single_stream).
+    On a shared host the read speed and the decode each drift by tens of percent within a
+    minute (a 1B: 57-91% from round to round, seconds apart), so a decode and a read timed
+    a minute apart compare two machines; a round compares one."""
+    shares = []
+    for _ in range(rounds):
+        bound = read(3) / weight_bytes
+        shares.append(single_stream(model, tok, prompt, n, speculative) / bound)
+    return shares
+
+
 def batched_decode(model: Model, tok: Tokenizer, seqs: int, prompt_len: int, n: int,
                    seed: int = 0) -> float:
     """Decode tokens/s of `seqs` sequences together, prefill excluded: llama-batched-bench's

@@ -40,11 +40,17 @@ def read_bandwidth(nbytes: int, kernels: Kernels | None = None) -> float:
     """Bytes/s read, with no writes, from a buffer of `nbytes`: what batch-1 decode does to
     its weights. Read by the kernels' own threads, each a contiguous run of bytes
     (csrc/quant.cpp's stream_read); by torch's sum where there are no kernels."""
+    return reader(nbytes, kernels)(5)
+
+
+def reader(nbytes: int, kernels: Kernels | None = None) -> Callable[[int], float]:
+    """read_bandwidth's buffer, made once: the returned function reads it `times` times (after
+    one untimed read) and gives the best bytes/s, as often as asked."""
     buf = torch.ones(max(nbytes, 1 << 20) // 64 * 64, dtype=torch.uint8)
     if kernels is not None:
-        return buf.numel() / _best_of(lambda: kernels.ops.stream_read(buf), 5)
+        return lambda times: buf.numel() / _best_of(lambda: kernels.ops.stream_read(buf), times)
     floats = buf.view(torch.float32)
-    return buf.numel() / _best_of(lambda: floats.sum(), 5)
+    return lambda times: buf.numel() / _best_of(lambda: floats.sum(), times)
 
 
 def weight_numel(model: Model) -> int:
