@@ -49,20 +49,28 @@ def test_each_round_sets_a_decode_against_the_read_just_before_it(
 
     events: list[str] = []
     speeds = iter([20e9, 10e9, 40e9])  # bytes/s of the three rounds' reads
-    rates = iter([30.0, 12.0, 45.0])  # tok/s of their decodes
+    rates = iter([99.0, 30.0, 12.0, 45.0])  # tok/s: the warm-up's, then the rounds' decodes
 
     def read(times: int) -> float:
         events.append(f"read x{times}")
         return next(speeds)
 
-    def single_stream(model: object, tok: object, prompt: list[int], n: int,
-                      speculative: object = None) -> float:
-        events.append(f"decode {n}")
+    engines: list[object] = []
+
+    def make_engine(*args: object, **kwargs: object) -> object:
+        engines.append(object())
+        return engines[-1]
+
+    def timed_decode(engine: object, prompt: list[int], n: int) -> float:
+        events.append(f"decode {n} on engine {engines.index(engine)}")
         return next(rates)
 
-    monkeypatch.setattr(decode, "single_stream", single_stream)
+    monkeypatch.setattr(decode, "Engine", make_engine)
+    monkeypatch.setattr(decode, "_decode", timed_decode)
     shares = decode.shares_of_bound(None, None, [1, 2], 1_000_000_000,  # type: ignore[arg-type]
                                     read, 3, 16)
-    assert events == ["read x3", "decode 16"] * 3
+    # One engine, warmed once, for every round (a fresh one a round cost SmolLM2 a third).
+    assert len(engines) == 1
+    assert events == ["decode 8 on engine 0"] + ["read x3", "decode 16 on engine 0"] * 3
     # Round by round: 30 tok/s of a 20 tok/s bound, 12 of 10, 45 of 40.
     assert shares == [1.5, 1.2, 1.125]

@@ -74,29 +74,35 @@ def single_stream(model: Model, tok: Tokenizer, prompt: list[int], n: int,
     short decode first, untimed, as llama-bench warms up (right after the yardsticks' 512 MB
     copy the first decode ran 20% slower: fresh pages and cold caches)."""
     engine = Engine(model, tok, EngineConfig(speculative=speculative))
-    for tokens in (min(n, 8), n):
-        engine.add_request(prompt, SamplingParams(temperature=0.0, ignore_eos=True,
-                                                  max_tokens=tokens))
-        engine.step()  # the prefill, and the first token
-        t0 = time.perf_counter()
-        while engine.has_unfinished():
-            engine.step()
-        seconds = time.perf_counter() - t0
-    return (n - 1) / seconds
+    _decode(engine, prompt, min(n, 8))
+    return _decode(engine, prompt, n)
+
+
+def _decode(engine: Engine, prompt: list[int], n: int) -> float:
+    """Tokens/s of one request of `n` tokens, its prefill step (and first token) untimed."""
+    engine.add_request(prompt, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n))
+    engine.step()
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    return (n - 1) / (time.perf_counter() - t0)
 
 
 def shares_of_bound(model: Model, tok: Tokenizer, prompt: list[int], weight_bytes: int,
                     read: Callable[[int], float], rounds: int, n: int,
                     speculative: SpeculativeConfig | None = None) -> list[float]:
     """Batch-1 decode's share of the read-bandwidth bound, `rounds` times: each round reads
-    the weights' size (`read`, best of three) and then decodes `n` tokens (single_stream).
-    On a shared host the read speed and the decode each drift by tens of percent within a
-    minute (a 1B: 57-91% from round to round, seconds apart), so a decode and a read timed
-    a minute apart compare two machines; a round compares one."""
+    the weights' size (`read`, best of three) and then decodes `n` tokens, one engine for
+    every round, warmed once (single_stream's warm-up). On a shared host the read speed and
+    the decode each drift by tens of percent within a minute (a 1B: 57-91% from round to
+    round, seconds apart), so a decode and a read timed a minute apart compare two
+    machines; a round compares one."""
+    engine = Engine(model, tok, EngineConfig(speculative=speculative))
+    _decode(engine, prompt, min(n, 8))
     shares = []
     for _ in range(rounds):
         bound = read(3) / weight_bytes
-        shares.append(single_stream(model, tok, prompt, n, speculative) / bound)
+        shares.append(_decode(engine, prompt, n) / bound)
     return shares
 
 
