@@ -9,7 +9,8 @@ a yardstick measured in the same process: the compute throughput against a 2048 
 float32 `torch.mm` (the fraction of that peak the whole run sustains, counting 2 FLOP per
 weight per computed token, prompt and output), and batch-1 decode against the
 memory-bandwidth bound (every weight read once per token, at the speed the kernels' own
-threads read a buffer of the weights' size, measured right after it). The mm is timed
+threads read a buffer of the weights' size, measured right after it, and again in rounds of
+a read and a decode: decode.shares_of_bound). The mm is timed
 before and after the run and the faster taken: one timing in a slow minute once came out
 at half speed, which made the run look twice as good. `--pack off` runs the same workload
 without pre-packed weights, for an old-versus-new comparison.
