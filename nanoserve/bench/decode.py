@@ -73,9 +73,15 @@ def single_stream(model: Model, tok: Tokenizer, prompt: list[int], n: int,
     """Decode tokens/s of one sequence alone (after its prefill step), in steady state: one
     short decode first, untimed, as llama-bench warms up (right after the yardsticks' 512 MB
     copy the first decode ran 20% slower: fresh pages and cold caches)."""
+    return _decode(_warmed(model, tok, prompt, n, speculative), prompt, n)
+
+
+def _warmed(model: Model, tok: Tokenizer, prompt: list[int], n: int,
+            speculative: SpeculativeConfig | None) -> Engine:
+    """An engine that has decoded `prompt` once, min(n, 8) tokens, untimed."""
     engine = Engine(model, tok, EngineConfig(speculative=speculative))
     _decode(engine, prompt, min(n, 8))
-    return _decode(engine, prompt, n)
+    return engine
 
 
 def _decode(engine: Engine, prompt: list[int], n: int) -> float:
@@ -97,8 +103,7 @@ def shares_of_bound(model: Model, tok: Tokenizer, prompt: list[int], weight_byte
     the decode each drift by tens of percent within a minute (a 1B: 57-91% from round to
     round, seconds apart), so a decode and a read timed a minute apart compare two
     machines; a round compares one."""
-    engine = Engine(model, tok, EngineConfig(speculative=speculative))
-    _decode(engine, prompt, min(n, 8))
+    engine = _warmed(model, tok, prompt, n, speculative)
     shares = []
     for _ in range(rounds):
         bound = read(3) / weight_bytes

@@ -376,6 +376,8 @@ float one_unit_row(const Act8& x, const uint8_t* row, int64_t nb) {
     const uint8_t* b = row + i * F::kBytes;
     for (int64_t l = 0; l < 8 * F::kBytes; l += 64) __builtin_prefetch(b + kPrefetch + l);
     const __m256 dots = _mm256_cvtepi32_ps(group_dots<F, V>(x, b, i));
+    const __m256 sum32 = _mm256_loadu_ps(x.sum32.data() + i);
+    __m256 d;
     if constexpr (F::kBy == Offset::kM) {
       // The eight blocks' first four bytes: d and m as float16 pairs; d0-d7 to the low
       // 128 bits, m0-m7 to the high.
@@ -384,15 +386,13 @@ float one_unit_row(const Act8& x, const uint8_t* row, int64_t nb) {
                               _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
                                                0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15)),
           0xd8);
-      const __m256 d = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
-      acc = _mm256_fmadd_ps(dots, _mm256_mul_ps(d, _mm256_loadu_ps(x.dx.data() + i)), acc);
-      offv = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1)),
-                             _mm256_loadu_ps(x.sum32.data() + i), offv);
+      d = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
+      offv = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1)), sum32, offv);
     } else {
-      const __m256 d = _mm256_cvtph_ps(halves8<F::kBytes>(b));
-      acc = _mm256_fmadd_ps(dots, _mm256_mul_ps(d, _mm256_loadu_ps(x.dx.data() + i)), acc);
-      if constexpr (F::kBy == Offset::kD) offv = _mm256_fmadd_ps(d, _mm256_loadu_ps(x.sum32.data() + i), offv);
+      d = _mm256_cvtph_ps(halves8<F::kBytes>(b));
+      if constexpr (F::kBy == Offset::kD) offv = _mm256_fmadd_ps(d, sum32, offv);
     }
+    acc = _mm256_fmadd_ps(dots, _mm256_mul_ps(d, _mm256_loadu_ps(x.dx.data() + i)), acc);
   }
   float tail = 0.0f, tail_off = 0.0f;
   for (; i < nb; ++i) {
