@@ -1,11 +1,12 @@
 """The 8-bit-activation batch-1 kernels (csrc/q8dot.cpp, `--int8-activations`): the one row
-of x rounded to int8 with a scale per 32 values (per 256 for Q4_K, as llama.cpp's Q8_K),
-each weight's quants multiplied by those in integer dot products, each unit's offset by the
-exact float32 sum of x it multiplies.
+of x rounded to int8 with a scale per 32 values (per 256 for Q4_K and Q6_K, as llama.cpp's
+Q8_K), each weight's quants multiplied by those in integer dot products, each unit's offset
+by the exact float32 sum of x it multiplies (Q6_K's by the rounded x, in the same integers).
 
 The reference below computes exactly that in float64 from gguf-py's dequantization: a
 weight w = s q + o splits into its offset o (the same block with every quant zero) and its
-scaled quant w - o; the first multiplies x, the second x's int8 rounding."""
+scaled quant w - o; the first multiplies x, the second x's int8 rounding (Q6_K: all of w
+multiplies the rounding)."""
 
 from __future__ import annotations
 
@@ -59,6 +60,8 @@ def expected(w: QuantWeight, x: np.ndarray) -> np.ndarray:
     per[:, QUANT_BYTES[w.format]] = 0
     offset = _dequant(per.reshape(w.rows, -1), w.format, w.rows)
     xd = x.astype(np.float64)
+    if w.format == "q6_k":  # its offset (-32 d sc) in the integer sums: all of w on rounded x
+        return dense @ round_activations(x, 256)
     group = 256 if w.format == "q4_k" else 32
     return (dense - offset) @ round_activations(x, group) + offset @ xd
 

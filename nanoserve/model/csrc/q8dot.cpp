@@ -4,14 +4,15 @@
 // multiply it by a float32 activation: per 16 weights a widening, a lookup and a fused
 // multiply-add, which on a Zen 4 core is instruction-bound below the memory's speed. This
 // path does what llama.cpp does at batch 1: it rounds the one row of x to int8, one scale
-// per 32 values (the largest magnitude maps to 127, as llama.cpp's Q8_0; per 256 for Q4_K,
-// as its Q8_K), and multiplies
-// the weights' raw quants by those int8s in integer dot products, four byte products summed
-// into each 32-bit lane (AVX-512 VNNI's or AVX-VNNI's vpdpbusd where the CPU has it; else
-// AVX2's vpmaddubsw and vpmaddwd, the same sums). Each unit's scale is applied once, to its
-// integer sums (d * sc * dx); each offset (Q4_0's -8 d, Q4_1's m, the K-quants' mins, Q6_K's
-// -32 d sc) once, to the exact float32 sum of the activations it multiplies, so only the
-// quants' products see rounded activations (llama.cpp rounds those sums too).
+// per 32 values (the largest magnitude maps to 127, as llama.cpp's Q8_0; per 256 for Q4_K
+// and Q6_K, as its Q8_K), and multiplies the weights' raw quants by those int8s in integer
+// dot products, four byte products summed into each 32-bit lane (AVX-512 VNNI's or
+// AVX-VNNI's vpdpbusd where the CPU has it; else AVX2's vpmaddubsw and vpmaddwd, the same
+// sums). Each unit's scale is applied once, to its integer sums (d * sc * dx); each offset
+// (Q4_0's -8 d, Q4_1's m, Q4_K's mins) once, to the exact float32 sum of the activations it
+// multiplies, so only the quants' products see rounded activations. Q6_K's offset (-32 d sc)
+// is the exception: it goes into the integer sums, so that its weights meet the rounded
+// activations whole (q6k_row says why).
 //
 // The integer sums do not depend on how they are formed (no product or pair overflows 16
 // bits: at most 2 * 128 * 127; no superblock's sum overflows 32), so VNNI changes no bit.
@@ -121,9 +122,17 @@ Q8_INLINE __m256i nibbles32(const uint8_t* qs) {
   return low4(_mm256_srlv_epi64(both, _mm256_set_epi64x(4, 4, 0, 0)));
 }
 
+Q8_INLINE int32_t hsum_i32(__m256i v) {
+  __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
+  return _mm_cvtsi128_si32(h);
+}
+
 // One row of x as the kernels read it: int8 values, one scale per `group` values (dx: 32
-// for the one-unit formats and Q6_K, as llama.cpp's Q8_0; 256 for Q4_K, as its Q8_K), and
-// the exact float32 sums of each 16 and each 32 values (the offsets' multipliers). The
+// for the one-unit formats, as llama.cpp's Q8_0; 256 for Q4_K and Q6_K, as its Q8_K), the
+// exact float32 sums of each 16 and each 32 values (the offsets' multipliers) and, where
+// asked (Q6_K), the int8 values' sums of each 16 (its offsets'). The
 // layout is the order the kernel reads the int8 values in: kPairs (Q4_K on AVX-512) stores
 // each superblock's eight units of 32 in the order 0, 2, 1, 3, 4, 6, 5, 7, the order in which
 // 64 bytes of Q4_K quants hold them; kSplit (Q4_0, Q4_1) stores each whole group of eight
@@ -135,9 +144,10 @@ enum class Layout { kNatural, kPairs, kSplit };
 struct Act8 {
   std::vector<int8_t> q;
   std::vector<float> dx, sum16, sum32;
+  std::vector<int16_t> qsum16;  // at most 16 * 127 in magnitude
 
-  Act8(const float* x, int64_t K, int64_t group, Layout layout)
-      : q(K), dx(K / group), sum16(K / 16), sum32(K / kUnit) {
+  Act8(const float* x, int64_t K, int64_t group, Layout layout, bool qsums = false)
+      : q(K), dx(K / group), sum16(K / 16), sum32(K / kUnit), qsum16(qsums ? K / 16 : 0) {
     const int64_t split_units = layout == Layout::kSplit ? K / kUnit / 8 * 8 : 0;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t g = 0; g < K / group; ++g) {
@@ -175,17 +185,14 @@ struct Act8 {
         sum16[2 * b] = hsum8(_mm256_add_ps(v[0], v[1]));
         sum16[2 * b + 1] = hsum8(_mm256_add_ps(v[2], v[3]));
         sum32[b] = sum16[2 * b] + sum16[2 * b + 1];
+        if (qsums) {
+          qsum16[2 * b] = static_cast<int16_t>(hsum_i32(_mm256_add_epi32(r[0], r[1])));
+          qsum16[2 * b + 1] = static_cast<int16_t>(hsum_i32(_mm256_add_epi32(r[2], r[3])));
+        }
       }
     }
   }
 };
-
-Q8_INLINE int32_t hsum_i32(__m256i v) {
-  __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
-  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
-  return _mm_cvtsi128_si32(h);
-}
 
 Q8_INLINE int32_t load32(const uint8_t* p) {
   int32_t v;
@@ -491,32 +498,41 @@ float q4k_row(const Act8& x, const uint8_t* row, int64_t nb) {
   return hsum8(acc) - hsum8(offv);
 }
 
-// Q6_K: w = (d sc) (q - 32), a signed 8-bit scale per 16 weights. Scaled per unit of 32
-// (x's group of 32): each unit's dot is converted and multiplied by its two groups' scales,
-// four chains of multiply-adds so that the next unit's need not wait on the last.
+// Q6_K: w = (d sc) (q - 32), a signed 8-bit scale per 16 weights. As Q4_K, x is scaled
+// once per superblock (llama.cpp's Q8_K), so the superblock's products stay integers to its
+// end: vpmaddubsw pairs the 6-bit quants' products into 16 bits (at most 2 * 63 * 127),
+// vpmaddwd (VNNI's vpdpwssd) multiplies each pair by its group's scale into 32-bit lanes,
+// and the offset, -32 sc times each group's sum of int8 activations, starts those lanes
+// (in all, at most 32 * 2 * 128 * 2032 + 8 * 2 * 16002 * 128 in a lane). A superblock costs
+// one conversion and one multiply-add: with x scaled per unit of 32, each unit's dot was
+// converted and multiplied by its two scales in floats, and the offsets took the exact sums
+// of x. 27.9 -> 21.4 cycles a superblock (llvm-mca, Zen 3, AVX2); one thread, in L2, 18.0
+// -> 24.5 GB/s (in one process, alternating).
+//
+// Why the offset takes the rounded activations: q - 32 is centred, and q alone is not, so
+// rounding x under all of w errs less than rounding it under q and taking -32 exactly. KL
+// from the exact path, batch-1 decode of 400 tokens (scripts/int8_kl.py --chunk 1), on
+// SmolLM2 requantized to Q6_K (its down projections; the rest Q8_0): 0.0106 with x per 32,
+// 0.0336 per 256 with the offsets exact, 0.0086 per 256 as here.
 template <bool V>
 float q6k_row(const Act8& x, const uint8_t* row, int64_t nb) {
-  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-  __m256 offv = _mm256_setzero_ps();
+  __m256 acc = _mm256_setzero_ps();
+  const int16_t* qs16 = x.qsum16.data();
   for (int64_t i = 0; i < nb; ++i) {
     const uint8_t* b = row + i * 210;
     for (int64_t l = 0; l < 210; l += 64) __builtin_prefetch(b + kPrefetch + l);
     const uint8_t *ql = b, *qh = b + 128;
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
     const int8_t* a = x.q.data() + 256 * i;
-    const float* dx = x.dx.data() + 8 * i;
-    const float* s16 = x.sum16.data() + 16 * i;
-    const __m256 d = _mm256_set1_ps(half(b + 208));
-    // The 16 groups' d * sc (exact), for the offsets; times their unit's dx for the sums.
-    const __m256 g0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))))),
-                 g1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8)))));
-    offv = _mm256_fmadd_ps(g0, _mm256_loadu_ps(s16), offv);
-    offv = _mm256_fmadd_ps(g1, _mm256_loadu_ps(s16 + 8), offv);
-    const __m256 dxv = _mm256_loadu_ps(dx);
-    // group i's d * sc_i * dx of its unit (i / 2), groups 0-7 and 8-15
-    const __m256 scale[2] = {
-        _mm256_mul_ps(g0, _mm256_permutevar8x32_ps(dxv, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3))),
-        _mm256_mul_ps(g1, _mm256_permutevar8x32_ps(dxv, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7)))};
+    const float d = half(b + 208);
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+    // The scales as 16-bit integers, the even groups' in the low 128 bits and the odd
+    // groups' in the high: unit u's two (groups 2u and 2u + 1, its weights 0-15 and 16-31)
+    // are then one vpshufb of word u away, each in the half where vpmaddubsw left its pairs.
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(
+        sc, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15)));
+    // The offset, -32 sc times each group's sum of x's int8 values, in the same integers.
+    const __m256i off = _mm256_madd_epi16(_mm256_cvtepi8_epi16(sc), load256(qs16 + 16 * i));
+    __m256i total = _mm256_slli_epi32(_mm256_sub_epi32(_mm256_setzero_si256(), off), 5);
 #pragma GCC unroll 8
     for (int u = 0; u < 8; ++u) {  // unit u = 4 g + v: weights 32 u .. 32 u + 31
       const int g = u / 4, v = u % 4;
@@ -526,15 +542,13 @@ float q6k_row(const Act8& x, const uint8_t* row, int64_t nb) {
       const __m256i hb = v <= 2 ? _mm256_slli_epi16(h, 4 - 2 * v) : _mm256_srli_epi16(h, 2);
       const __m256i q = _mm256_or_si256(v < 2 ? low4(l) : high4(l),
                                         _mm256_and_si256(hb, _mm256_set1_epi8(0x30)));
-      const __m256 p = _mm256_cvtepi32_ps(dot4<V>(q, load256(a + 32 * u)));
-      // lanes 0-3 hold weights 0-15 (group 2u), lanes 4-7 weights 16-31 (group 2u + 1)
-      const __m256i pick = _mm256_setr_epi32(2 * v, 2 * v, 2 * v, 2 * v, 2 * v + 1, 2 * v + 1,
-                                             2 * v + 1, 2 * v + 1);
-      acc[u % 4] = _mm256_fmadd_ps(p, _mm256_permutevar8x32_ps(scale[g], pick), acc[u % 4]);
+      const __m256i pick = _mm256_set1_epi16(static_cast<int16_t>((2 * u + 1) << 8 | 2 * u));
+      total = dot2<V>(total, _mm256_maddubs_epi16(q, load256(a + 32 * u)),
+                      _mm256_shuffle_epi8(sc16, pick));
     }
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(d * x.dx[i]), acc);
   }
-  const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-  return hsum8(sum) - 32.0f * hsum8(offv);
+  return hsum8(acc);
 }
 
 struct Q4_K {};
@@ -542,7 +556,7 @@ struct Q6_K {};
 
 // Each format's x: its scale group, its unit order, and its row's dot.
 template <class F>
-constexpr int64_t kGroup = std::is_same_v<F, Q4_K> ? 256 : kUnit;
+constexpr int64_t kGroup = std::is_same_v<F, Q4_K> || std::is_same_v<F, Q6_K> ? 256 : kUnit;
 
 template <class F, bool V>
 float row_dot(const Act8& x, const uint8_t* row, int64_t K) {
@@ -570,7 +584,7 @@ void gemv8(const float* x, int64_t K, const uint8_t* blocks, int64_t N, float* o
   constexpr bool kPairs = false;
 #endif
   constexpr Layout kLayout = kPairs ? Layout::kPairs : kSplit<F> ? Layout::kSplit : Layout::kNatural;
-  const Act8 act(x, K, kGroup<F>, kLayout);
+  const Act8 act(x, K, kGroup<F>, kLayout, std::is_same_v<F, Q6_K>);
   const int64_t bytes = row_bytes<F>(K);
   at::parallel_for(0, N, 32, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) out[n] = row_dot<F, V>(act, blocks + n * bytes, K);
