@@ -131,8 +131,8 @@ Q8_INLINE int32_t hsum_i32(__m256i v) {
 
 // One row of x as the kernels read it: int8 values, one scale per `group` values (dx: 32
 // for the one-unit formats, as llama.cpp's Q8_0; 256 for Q4_K and Q6_K, as its Q8_K), the
-// exact float32 sums of each 16 and each 32 values (the offsets' multipliers) and, where
-// asked (Q6_K), the int8 values' sums of each 16 (its offsets'). The
+// exact float32 sums of each 32 values (the offsets' multipliers) and, where asked (Q6_K),
+// the int8 values' sums of each 16 (its offsets'). The
 // layout is the order the kernel reads the int8 values in: kPairs (Q4_K on AVX-512) stores
 // each superblock's eight units of 32 in the order 0, 2, 1, 3, 4, 6, 5, 7, the order in which
 // 64 bytes of Q4_K quants hold them; kSplit (Q4_0, Q4_1) stores each whole group of eight
@@ -143,11 +143,11 @@ enum class Layout { kNatural, kPairs, kSplit };
 
 struct Act8 {
   std::vector<int8_t> q;
-  std::vector<float> dx, sum16, sum32;
+  std::vector<float> dx, sum32;
   std::vector<int16_t> qsum16;  // at most 16 * 127 in magnitude
 
-  Act8(const float* x, int64_t K, int64_t group, Layout layout, bool qsums = false)
-      : q(K), dx(K / group), sum16(K / 16), sum32(K / kUnit), qsum16(qsums ? K / 16 : 0) {
+  Act8(const float* x, int64_t K, int64_t group, Layout layout, bool qsums)
+      : q(K), dx(K / group), sum32(K / kUnit), qsum16(qsums ? K / 16 : 0) {
     const int64_t split_units = layout == Layout::kSplit ? K / kUnit / 8 * 8 : 0;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t g = 0; g < K / group; ++g) {
@@ -182,9 +182,8 @@ struct Act8 {
               layout == Layout::kPairs ? (b & ~int64_t{3}) | ((b & 1) << 1) | ((b >> 1) & 1) : b;
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.data() + slot * kUnit), ordered);
         }
-        sum16[2 * b] = hsum8(_mm256_add_ps(v[0], v[1]));
-        sum16[2 * b + 1] = hsum8(_mm256_add_ps(v[2], v[3]));
-        sum32[b] = sum16[2 * b] + sum16[2 * b + 1];
+        // two halves' sums, then theirs: the order (and so the bits) the offsets always had
+        sum32[b] = hsum8(_mm256_add_ps(v[0], v[1])) + hsum8(_mm256_add_ps(v[2], v[3]));
         if (qsums) {
           qsum16[2 * b] = static_cast<int16_t>(hsum_i32(_mm256_add_epi32(r[0], r[1])));
           qsum16[2 * b + 1] = static_cast<int16_t>(hsum_i32(_mm256_add_epi32(r[2], r[3])));
