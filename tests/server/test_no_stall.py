@@ -40,22 +40,11 @@ from typing import Any
 import httpx
 import pytest
 import trio
+from support.heavy_bodies import tools_body
 
 STREAMS = 8
 BOUND_S = 60  # a bound on a wait that must end, never a measurement
 SLACK_S = 0.100  # the issue's bound on a stall
-
-
-def tool(i: int) -> dict[str, Any]:
-    return {"type": "function", "function": {
-        "name": f"tool_{i}", "description": f"does thing number {i} with care",
-        "parameters": {"type": "object", "required": ["a"], "properties": {
-            "a": {"type": "string", "description": "the a"}, "b": {"type": "integer"}}}}}
-
-
-def tools_body(n: int) -> dict[str, Any]:
-    return {"model": "stub", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
-            "tools": [tool(i) for i in range(n)], "tool_choice": "none"}
 
 
 @dataclass(frozen=True)
@@ -80,11 +69,10 @@ class Heavy:
 
 HEAVY = {
     # The issue's body (2.5 MB): refused by max_tools, but only once parsed to count them.
-    # With nesting.py's regular expression back, the streams' worst gap was 94-141 ms over
-    # their median (4 runs of 5 failed both tries, when every stream was bound); the refusal
-    # itself is ~70 ms of work, so with all of it back on the loop the median stream's worst
-    # gap was 72-93 ms over its median (two runs): it guards the worker's long calls, not
-    # the offload itself.
+    # The refusal is about 70 ms of work, so even all of it back on the loop left the median
+    # stream 72-93 ms over its median (two runs), and nesting.py's old regular expression
+    # (a 65 ms hold of the GIL) failed one run of three (10 of its 12 tries, 80-202 ms):
+    # test_gil_holds.py guards those long calls by their own measure.
     "10000-tools": Heavy("/v1/chat/completions", tools_body(10_000), 128, None, 400, "tools",
                           "tools has 10000 entries, over this server's limit of 128"),
     # 1,000 tools processed in full, the limits raised past them: checked as schemas,
