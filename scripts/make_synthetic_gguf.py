@@ -36,6 +36,7 @@ import gguf
 import numpy as np
 
 from nanoserve.model.cache import cache_root
+from nanoserve.model.gguf_file import read_gguf
 from nanoserve.model.loader import embedded_gguf_path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,16 +100,10 @@ _CHUNK_VALUES = 1 << 26
 
 @functools.cache
 def _tokenizer_fields() -> tuple[tuple[str, Any, gguf.GGUFValueType, Any], ...]:
-    """Every tokenizer.* field of the embedded SmolLM2 GGUF, types and all (read once: gguf-py
-    takes seconds over its 100,000 strings)."""
-    reader = gguf.GGUFReader(embedded_gguf_path())
-    out = []
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer."):
-            vtype = field.types[0]
-            sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-            out.append((key, field.contents(), vtype, sub))
-    return tuple(out)
+    """Every tokenizer.* field of the embedded SmolLM2 GGUF, types and all (read once)."""
+    header = read_gguf(embedded_gguf_path())
+    return tuple((key, value, *header.types[key]) for key, value in header.metadata.items()
+                 if key.startswith("tokenizer."))
 
 
 def _random_f16(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:

@@ -34,7 +34,7 @@ def test_a_tiny_synthetic_gguf_reads_back_as_its_shape(script: ModuleType,
     path = script.write_synthetic(tmp_path / "tiny.gguf", shape, name="tiny")
     assert [p.name for p in tmp_path.iterdir()] == ["tiny.gguf"]  # the .tmp renamed
 
-    reader = open_gguf(path)  # gguf-py's reader, checked whole by nanoserve
+    reader = open_gguf(path)  # the header, checked whole by nanoserve
     assert gguf_architecture(reader, path) == "llama"
     tensors = {t.name: t for t in reader.tensors}
     # GGUF lists dimensions innermost first: numpy's [rows, columns] reversed
@@ -54,7 +54,7 @@ def test_a_tiny_synthetic_gguf_reads_back_as_its_shape(script: ModuleType,
             "tokenizer.ggml.eos_token_id"} <= copied.keys()
     assert len(copied["tokenizer.ggml.tokens"]) == 49152
     for key, value in copied.items():
-        assert reader.fields[key].contents() == value, key
+        assert reader.metadata[key] == value, key
 
     config = hf_config(reader, vocab_size=49152, hidden_size=64, tied=False)
     assert (config["num_hidden_layers"], config["num_attention_heads"],

@@ -19,6 +19,7 @@
     stub_says.py  what the stub is told to say: a prompt's script, a recorded output, copying
     loader.py     a model name or path -> a Hugging Face folder, converted once and cached
     gguf.py       reading a llama GGUF: tensors, metadata, tokenizer
+    gguf_file.py  a GGUF's header in one pass: metadata values and tensor views
     hub.py        models by Hugging Face Hub id (`org/name`, `org/name:Q4_K_M`, `@revision`)
     architectures.py  the architectures nanoserve runs, as a config.json names and shapes them
     weights.py    a model's weights by name, before any model is built (every TP rank's way)

@@ -24,10 +24,13 @@ from __future__ import annotations
 
 import json
 import logging
+import struct
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from nanoserve.model.gguf_file import GGUFFile, read_gguf
 
 log = logging.getLogger("nanoserve.model.loader")
 
@@ -60,32 +63,22 @@ _GLOBAL_NAMES = {
 }
 
 
-def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+def gguf_field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return reader.metadata.get(key, default)
 
 
-
-def open_gguf(path: Path) -> Any:
-    """gguf-py's reader over `path`, or a ValueError that says the file is not a whole GGUF
-    (a download cut short, a file of another kind) instead of numpy's reshape message."""
-    from gguf import GGUFReader
-
+def open_gguf(path: Path) -> GGUFFile:
+    """The file's header (gguf_file.py), or a ValueError that says the file is not a whole
+    GGUF (a download cut short, a file of another kind)."""
     try:
-        reader = GGUFReader(path)
-    except (ValueError, IndexError, KeyError, OSError) as exc:  # gguf-py's parse failures
+        return read_gguf(path)
+    except (ValueError, IndexError, KeyError, OSError, struct.error) as exc:
         raise ValueError(f"{path}: not a readable GGUF file, truncated or corrupt "
                          f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
                          ) from None
-    size = Path(path).stat().st_size
-    end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
-    if end > size:  # gguf-py maps the tensors lazily; a short file may still open
-        raise ValueError(f"{path}: not a readable GGUF file, truncated: its tensors end at "
-                         f"byte {end}, the file has {size}")
-    return reader
 
 
-def gguf_architecture(reader: Any, where: Path) -> str:
+def gguf_architecture(reader: GGUFFile, where: Path) -> str:
     """The file's architecture, or a ValueError naming those nanoserve reads; and any
     RoPE scaling it declares other than linear, refused (Llama 3.1's comes as a rope_freqs
     tensor)."""
@@ -103,7 +96,7 @@ def gguf_architecture(reader: Any, where: Path) -> str:
     return str(arch)
 
 
-def _check_tensor_types(reader: Any, where: Path) -> None:
+def _check_tensor_types(reader: GGUFFile, where: Path) -> None:
     """Every tensor's type is one nanoserve can read: float, or a block format that gguf-py
     dequantizes (those without a native kernel here run as float32 copies: logged at load)."""
     # gguf-py keeps its dequantizers in this registry (no public list of them)
@@ -181,7 +174,8 @@ def hf_name(gguf: Path, name: str, arch: str = "llama") -> tuple[str, str | None
     return f"model.layers.{layer}.{names[kind]}.{suffix}", kind
 
 
-def hf_config(reader: Any, *, vocab_size: int, hidden_size: int, tied: bool) -> dict[str, Any]:
+def hf_config(reader: GGUFFile, *, vocab_size: int, hidden_size: int, tied: bool
+              ) -> dict[str, Any]:
     arch = str(gguf_field(reader, "general.architecture"))
 
     def field(key: str, default: Any = None) -> Any:

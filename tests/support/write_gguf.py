@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from gguf.quants import quantize
 
+from nanoserve.model.gguf_file import read_gguf
 from nanoserve.model.loader import embedded_gguf_path
 from support.kquants import QK_K, QUANTIZERS
 
@@ -108,10 +109,7 @@ def _quantized(a: np.ndarray, quant: str) -> tuple[np.ndarray, gguf.GGMLQuantiza
 
 
 def _copy_tokenizer(w: gguf.GGUFWriter) -> None:
-    reader = gguf.GGUFReader(embedded_gguf_path())
+    header = read_gguf(embedded_gguf_path())
     for key in _TOKENIZER_KEYS:
-        field = reader.fields[key]
-        value = field.contents()
-        vtype = field.types[0]
-        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(key, value, vtype, sub_type=sub)
+        vtype, sub = header.types[key]
+        w.add_key_value(key, header.metadata[key], vtype, sub_type=sub)
