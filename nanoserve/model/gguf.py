@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import struct
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -229,10 +231,20 @@ def hf_config(reader: GGUFFile, *, vocab_size: int, hidden_size: int, tied: bool
 
 
 def write_tokenizer(gguf_path: Path, out: Path, *, context_length: int) -> None:
-    """transformers' own GGUF tokenizer conversion, run once, so tokenizer.json is exact."""
+    """transformers' own GGUF tokenizer conversion, run once, so tokenizer.json is exact.
+
+    It reads the file from a folder of its own (a link to it): given the GGUF's folder,
+    transformers takes a tokenizer.json beside the file over the file's own vocabulary, and a
+    folder of downloads may hold another model's."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    with tempfile.TemporaryDirectory(prefix="nanoserve-gguf-") as alone:
+        link = Path(alone) / gguf_path.name
+        try:
+            link.symlink_to(gguf_path.resolve())
+        except OSError:  # a file system without links: the file itself
+            shutil.copyfile(gguf_path, link)
+        tok = AutoTokenizer.from_pretrained(alone, gguf_file=link.name)
     tok.save_pretrained(out)
     # transformers 5 writes the template to chat_template.jinja; we keep a single source of
     # truth in tokenizer_config.json, where older readers look for it.

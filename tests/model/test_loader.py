@@ -169,3 +169,23 @@ def test_a_gguf_converts_without_its_float32_weights_until_they_are_needed(
     gguf.write_bytes(gguf.read_bytes()[:-1] + b"x")  # the file changed under the cache
     with pytest.raises(FileNotFoundError, match="is gone or changed; remove the folder"):
         load_weights(folder)
+
+
+def test_a_gguf_beside_another_models_tokenizer_json_gets_its_own_tokenizer(
+        tmp_path: Path, smollm2_folder: Path) -> None:
+    """transformers, given the GGUF's folder, takes a tokenizer.json there over the file's
+    own vocabulary (for a llama file; not for qwen2's), and a folder of downloads may hold
+    another model's. Here the file's is SmolLM2's first 8,192 tokens (support/write_gguf.py)
+    beside SmolLM2's whole 49,152."""
+    from support.tiny_checkpoints import write_checkpoint
+    from support.write_gguf import write_gguf
+
+    hf = write_checkpoint("mistral", tmp_path, smollm2_folder, {"vocab_size": 8192})
+    assert len(json.loads((tmp_path / "tokenizer.json").read_text())["model"]["vocab"]) == 49152
+    gguf = write_gguf(tmp_path / "tiny.gguf", "llama", hf.config, dict(hf.state_dict()), "Q8_0")
+    tok = Tokenizer.from_folder(resolve_model(str(gguf), cache_dir=tmp_path / "cache"))
+    text = "日本の首都は Tokyo, cherché"
+    ids = tok.encode(text)
+    assert max(ids) < 8192
+    assert tok.decode(ids) == text
+    assert tok.encode(" the") == Tokenizer.from_folder(smollm2_folder).encode(" the")
