@@ -74,7 +74,7 @@ def write_gguf(path: Path, arch: str, config: Any, tensors: dict[str, torch.Tens
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
     if arch == "gemma3":
         w.add_sliding_window(config.sliding_window)
-    _copy_tokenizer(w)
+    _copy_tokenizer(w, config.vocab_size)
     for name, t in tensors.items():
         a = t.detach().float().numpy()
         if arch == "gemma3" and name.endswith("norm.weight"):
@@ -108,8 +108,18 @@ def _quantized(a: np.ndarray, quant: str) -> tuple[np.ndarray, gguf.GGMLQuantiza
     return quantize(a, qtype), qtype
 
 
-def _copy_tokenizer(w: gguf.GGUFWriter) -> None:
+def _copy_tokenizer(w: gguf.GGUFWriter, vocab_size: int) -> None:
+    """SmolLM2's tokenizer fields, its vocabulary cut to the model's first `vocab_size`
+    tokens: a BPE tokenizer still, as SmolLM2 numbers each merge's token by its rank (checked
+    below), so the first merges make exactly the first tokens; every byte is among them."""
     header = read_gguf(embedded_gguf_path())
+    fields = dict(header.metadata)
+    tokens, merges = fields["tokenizer.ggml.tokens"], fields["tokenizer.ggml.merges"]
+    first_merged = len(tokens) - len(merges)
+    kept = merges[:vocab_size - first_merged]
+    assert all(tokens[first_merged + i] == m.replace(" ", "") for i, m in enumerate(kept))
+    fields |= {"tokenizer.ggml.tokens": tokens[:vocab_size], "tokenizer.ggml.merges": kept,
+               "tokenizer.ggml.token_type": fields["tokenizer.ggml.token_type"][:vocab_size]}
     for key in _TOKENIZER_KEYS:
         vtype, sub = header.types[key]
-        w.add_key_value(key, header.metadata[key], vtype, sub_type=sub)
+        w.add_key_value(key, fields[key], vtype, sub_type=sub)
