@@ -5,9 +5,9 @@ gguf-py's GGUFReader builds a numpy view for every part of every field, so a tok
 vocabulary costs it a few numpy views a string: 3.6-4.5 s for SmolLM2's 49,152 tokens and
 17.4-18.4 s for Gemma 3's 262,144, on every load and on `serve`'s check before it, where this
 reader takes 0.13-0.15 s and 0.28-0.32 s (AMD EPYC Zen 3, 2026-12-07; a warm load of Gemma
-3 270M went from 23.0 s to 5.0 s). It reads the same bytes to the same
-values (tests/model/test_gguf_file.py holds the two to each other field by field and tensor
-by tensor); gguf-py stays what writes GGUFs, names the tensor types and dequantizes.
+3 270M went from 23.0 s to 5.0 s). It reads the same bytes to the same values
+(tests/model/test_gguf_file.py holds the two to each other field by field and tensor by
+tensor); gguf-py stays what writes GGUFs, names the tensor types and dequantizes.
 
 The layout (GGUF v2 and v3, little-endian): "GGUF", a uint32 version, the tensor and
 key-value counts (uint64), the key-values (a string key, a uint32 type, the value; an array
@@ -68,7 +68,7 @@ class GGUFFile:
 
 
 def read_gguf(path: Path | str) -> GGUFFile:
-    """The file's header; a ValueError (or struct.error) if it is not a whole GGUF."""
+    """The file's header; a ValueError if it is not a whole GGUF."""
     path = Path(path)
     mm = np.memmap(path, mode="r")
     return _Parser(path, mm).file()

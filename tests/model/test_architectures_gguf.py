@@ -51,11 +51,12 @@ K_SHAPE = {"hidden_size": 256, "intermediate_size": 512}
 K_OVERRIDES = {"qwen3": K_SHAPE, "llama": {**K_SHAPE, "head_dim": 64}}
 # SmolLM2's first 8,192 tokens (support/write_gguf.py cuts its BPE there): a file's reading
 # by gguf-py (three times a file: transformers' model and tokenizer, nanoserve's conversion)
-# takes a second where the whole 49,152 took three, its embedding and head a sixth as long.
+# takes 0.4 s where the whole 49,152 took 3, its embedding and head are a sixth as long, and
+# a file's setup 3-6 s where it was 22-27 s.
 VOCAB = 8192
 
 
-# Each architecture once (a file's setup costs tens of seconds: transformers' GGUF reading,
+# Each architecture once (a file's setup costs seconds: transformers' GGUF reading,
 # its greedy runs, nanoserve's load), each tensor type on one: F32 tensors become float32
 # projections, block formats stay blocks (Q8_0; Q4_K's 6-bit scales and mins; Q6_K's int8
 # scales over 6-bit quants). The llama file's q and k rows are permuted as llama.cpp's
