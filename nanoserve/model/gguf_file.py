@@ -59,8 +59,6 @@ class GGUFTensor:
 
 @dataclass(frozen=True)
 class GGUFFile:
-    path: Path
-    version: int
     metadata: dict[str, Any]  # scalars as Python values, arrays as lists
     # each key's type, and an array's element type (None for a scalar)
     types: dict[str, tuple[GGUFValueType, GGUFValueType | None]]
@@ -69,14 +67,13 @@ class GGUFFile:
 
 def read_gguf(path: Path | str) -> GGUFFile:
     """The file's header; a ValueError if it is not a whole GGUF."""
-    path = Path(path)
     mm = np.memmap(path, mode="r")
-    return _Parser(path, mm).file()
+    return _Parser(mm).file()
 
 
 class _Parser:
-    def __init__(self, path: Path, mm: np.memmap) -> None:
-        self.path, self.mm, self.view = path, mm, mm.data  # a memoryview of the map
+    def __init__(self, mm: np.memmap) -> None:
+        self.mm, self.view = mm, mm.data  # a memoryview of the map
         self.size, self.at = len(mm), 0
 
     def file(self) -> GGUFFile:
@@ -95,8 +92,8 @@ class _Parser:
             key = self.string()
             vtype = GGUFValueType(self.u32())
             if vtype == GGUFValueType.ARRAY:
-                sub = GGUFValueType(_U32.unpack_from(self.view, self.at)[0])
-                metadata[key], types[key] = self.array(), (vtype, sub)
+                sub, metadata[key] = self.array()
+                types[key] = (vtype, sub)
             else:
                 metadata[key], types[key] = self.scalar(vtype), (vtype, None)
         infos = [self.tensor_info() for _ in range(n_tensors)]
@@ -109,7 +106,7 @@ class _Parser:
         if align <= 0 or align & (align - 1):
             raise ValueError(f"general.alignment {align} is not a power of two")
         start = -(-self.at // align) * align
-        return GGUFFile(self.path, version, metadata, types,
+        return GGUFFile(metadata, types,
                         [self.tensor(start, *info) for info in infos])
 
     def take(self, n: int) -> int:
@@ -135,7 +132,8 @@ class _Parser:
         dtype = np.dtype(_SCALARS[vtype])
         return np.frombuffer(self.view, dtype, 1, self.take(dtype.itemsize)).item()
 
-    def array(self) -> list[Any]:
+    def array(self) -> tuple[GGUFValueType, list[Any]]:
+        """The element type and the elements."""
         vtype = GGUFValueType(self.u32())
         n = self.u64()
         if vtype == GGUFValueType.STRING:  # the vocabulary: the one long loop, kept plain
@@ -144,11 +142,11 @@ class _Parser:
                 (k,) = unpack(view, self.take(8))
                 at = self.take(k)
                 out.append(str(view[at:at + k], "utf-8"))
-            return out
+            return vtype, out
         if vtype == GGUFValueType.ARRAY:
-            return [self.array() for _ in range(n)]
+            return vtype, [self.array()[1] for _ in range(n)]
         dtype = np.dtype(_SCALARS[vtype])
-        return np.frombuffer(self.view, dtype, n, self.take(n * dtype.itemsize)).tolist()
+        return vtype, np.frombuffer(self.view, dtype, n, self.take(n * dtype.itemsize)).tolist()
 
     def tensor_info(self) -> tuple[str, tuple[int, ...], GGMLQuantizationType, int]:
         name = self.string()
