@@ -11,6 +11,7 @@ from nanoserve import bench, flags
 from nanoserve.config import ConfigError
 from nanoserve.model.base import ModelStartError
 from nanoserve.model.hub import hub_name
+from nanoserve.model.parallel.startup import exit_status
 
 
 def _generate(a: argparse.Namespace) -> int:
@@ -66,6 +67,10 @@ def _fold_hub_flags(a: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return exit_status(_main(argv))
+
+
+def _main(argv: list[str] | None) -> int:
     p = flags.Parser(prog="nanoserve")
     sub = p.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="complete one prompt offline and print the text")

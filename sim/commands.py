@@ -24,6 +24,7 @@ from typing import Any
 
 from nanoserve import flags
 from nanoserve.config import ConfigError
+from nanoserve.model.parallel.startup import exit_status
 from sim.bench import bench_command
 from sim.capacity import capacity_commands, profile, validate
 from sim.cli_util import engine_overrides, guarded, tokenizer
@@ -46,6 +47,10 @@ _LOAD_FLAGS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    return exit_status(_main(argv))  # (a failed tensor-parallel start's thread: see there)
+
+
+def _main(argv: list[str] | None) -> int:
     p = flags.Parser(prog="sim", description="nanoserve's simulator")
     sub = p.add_subparsers(dest="cmd")
     _add_convert(sub)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -26,6 +27,32 @@ from nanoserve.model.parallel.worker import GroupSpec, LoadSpec, build_shard
 # The group's logger: start-up's lines are the group's (server/main.py names it).
 log = logging.getLogger("nanoserve.model.parallel.group")
 _PROGRESS_EVERY_S = 10.0
+# Rank 0's start threads that a failed start left inside torch (loading the shard, or in
+# the rendezvous until its own timeout): see `left_in_torch`.
+_left: list[threading.Thread] = []
+
+
+def left_in_torch() -> bool:
+    """Whether a failed start left rank 0's start thread running in torch.
+
+    CPython before 3.14 ends a daemon thread that wakes during interpreter shutdown with
+    pthread_exit, which unwinds it through the C++ frames it is in and aborts the process
+    ("terminate called without an active exception"; CPython gh-87135, where 3.14 parks
+    the thread instead). Rank 0's rendezvous times out `timeout_s` after it began, so after
+    a start that failed at its deadline it wakes about when the process ends."""
+    return any(t.is_alive() for t in _left)
+
+
+def exit_status(code: int) -> int:
+    """A command line's exit status, passed through; but where a failed start left rank 0's
+    thread in torch (`left_in_torch`), the process ends here with it, its logs and standard
+    streams flushed: the caller has reaped the workers and stopped serving by then."""
+    if left_in_torch():
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def start_rank0(spec: LoadSpec, group: GroupSpec, channel: Channel, procs: Sequence[Rank],
@@ -47,6 +74,17 @@ def start_rank0(spec: LoadSpec, group: GroupSpec, channel: Channel, procs: Seque
 
     t = threading.Thread(target=target, name="nanoserve-tp-rank0-start", daemon=True)
     t.start()
+    try:
+        return _watch(t, box, group, channel, procs, timeout_s)
+    except BaseException:
+        if t.is_alive():  # it cannot be stopped: torch's waits take no cancellation
+            _left.append(t)
+        raise
+
+
+def _watch(t: threading.Thread, box: list[Any], group: GroupSpec, channel: Channel,
+           procs: Sequence[Rank], timeout_s: float) -> LlamaModel:
+    stages = channel.control.stages
     t0 = time.monotonic()
     next_report = t0 + _PROGRESS_EVERY_S
     while t.is_alive() or any(stages[r] != READY for r in range(1, group.world_size)):
