@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.hf_gguf import hf_from_gguf
 
 from nanoserve.model.llama import LlamaModel
 from nanoserve.model.loader import embedded_gguf_path, resolve_model
@@ -60,10 +61,4 @@ def tok(smollm2_tokenizer: Tokenizer) -> Tokenizer:
 @pytest.fixture(scope="session")
 def hf_reference() -> Any:
     """transformers' LlamaForCausalLM from the GGUF file itself, never from our state dict."""
-    from transformers import AutoModelForCausalLM
-
-    gguf = embedded_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
-    return model.eval()
+    return hf_from_gguf(embedded_gguf_path())

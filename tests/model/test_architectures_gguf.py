@@ -18,7 +18,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-import torch
+from support.hf_gguf import hf_from_gguf
 from support.reference import MAX_NEW_TOKENS, RefCase
 from support.tiny_checkpoints import (
     PROMPTS,
@@ -68,8 +68,6 @@ VOCAB = 8192
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def gguf_file(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
               smollm2_folder: Path) -> tuple[str, str, Path, list[RefCase]]:
-    import transformers
-
     arch, quant = request.param
     folder = tmp_path_factory.mktemp(f"{arch}-{quant}")
     overrides = {"vocab_size": VOCAB, **OVERRIDES.get(arch, {}),
@@ -79,8 +77,7 @@ def gguf_file(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     if hf.config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     path = write_gguf(folder / f"tiny-{arch}.gguf", arch, hf.config, tensors, quant)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=path.name, dtype=torch.float32).eval()
+    ref = hf_from_gguf(path)
     with pytest.MonkeyPatch.context() as mp:  # the conversion's cache, not the user's
         mp.setattr("nanoserve.model.loader.cache_root", lambda _=None: folder / "cache")
         _, tok = load(str(path))
