@@ -19,7 +19,7 @@ import pytest
 import torch
 
 
-def hf_from_gguf(path: Path, **kwargs: Any) -> Any:
+def hf_from_gguf(path: Path) -> Any:
     """transformers' causal LM read from the GGUF at `path`, float32, in eval mode."""
     import gguf
     from transformers import AutoModelForCausalLM
@@ -37,5 +37,5 @@ def hf_from_gguf(path: Path, **kwargs: Any) -> Any:
         mp.setattr(gguf, "GGUFReader", one_reader)
         mp.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                     dtype=torch.float32, **kwargs)
+                                                     dtype=torch.float32)
     return model.eval()

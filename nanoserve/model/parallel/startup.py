@@ -28,26 +28,21 @@ from nanoserve.model.parallel.worker import GroupSpec, LoadSpec, build_shard
 log = logging.getLogger("nanoserve.model.parallel.group")
 _PROGRESS_EVERY_S = 10.0
 # Rank 0's start threads that a failed start left inside torch (loading the shard, or in
-# the rendezvous until its own timeout): see `left_in_torch`.
+# the rendezvous until its own timeout): see `exit_status`.
 _left: list[threading.Thread] = []
 
 
-def left_in_torch() -> bool:
-    """Whether a failed start left rank 0's start thread running in torch.
+def exit_status(code: int) -> int:
+    """A command line's exit status, passed through; but where a failed start left rank 0's
+    thread running in torch, the process ends here with it, its logs and standard streams
+    flushed (the caller has reaped the workers and stopped serving by then).
 
     CPython before 3.14 ends a daemon thread that wakes during interpreter shutdown with
     pthread_exit, which unwinds it through the C++ frames it is in and aborts the process
     ("terminate called without an active exception"; CPython gh-87135, where 3.14 parks
     the thread instead). Rank 0's rendezvous times out `timeout_s` after it began, so after
     a start that failed at its deadline it wakes about when the process ends."""
-    return any(t.is_alive() for t in _left)
-
-
-def exit_status(code: int) -> int:
-    """A command line's exit status, passed through; but where a failed start left rank 0's
-    thread in torch (`left_in_torch`), the process ends here with it, its logs and standard
-    streams flushed: the caller has reaped the workers and stopped serving by then."""
-    if left_in_torch():
+    if any(t.is_alive() for t in _left):
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
