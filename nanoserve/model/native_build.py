@@ -36,7 +36,7 @@ log = logging.getLogger("nanoserve.model.native")
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = (_CSRC / "attention.cpp", _CSRC / "layers.cpp", _CSRC / "quant.cpp",
             _CSRC / "panels.cpp", _CSRC / "stack.cpp", _CSRC / "q8dot.cpp")
-_HEADERS = (_CSRC / "vec.h", _CSRC / "kernels.h")
+_HEADERS = (_CSRC / "vec.h", _CSRC / "kernels.h", _CSRC / "rows.h")
 STALE_AFTER_S = 30 * 86400
 
 

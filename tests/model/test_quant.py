@@ -114,3 +114,32 @@ def test_stream_read_reads_every_byte_once(isa: str) -> None:
     k = kernels_for(isa)
     ones = torch.ones(3 * 4096 * 16 + 5 * 16)  # whole vectors, not a whole grain of them
     assert k.ops.stream_read(ones.view(torch.uint8)) == ones.numel()
+
+
+@pytest.mark.parametrize("isa", ISA_PARAMS)
+@pytest.mark.parametrize(("rows", "suffix"), [(1, ""), (3, ""), (1, "+q8")])
+def test_two_threads_compute_every_output_row_once(isa: str, rows: int, suffix: str) -> None:
+    """Batch-1 products hand their output rows to the threads in shrinking runs
+    (csrc/rows.h): 4,001 rows of 144 bytes make seven runs (1,000, 750, 562, three of the
+    455-row minimum, a remainder of 324). Every row must come back (out starts as NaN), each
+    the bits one thread gives, on the exact path (one row of x and three) and the 8-bit one.
+    (Without the last run, every case here fails.)"""
+    if suffix and isa == "generic":
+        pytest.skip("the generic build has no 8-bit kernels")
+    k = kernels_for(isa)
+    g = torch.Generator().manual_seed(11)
+    w = quantize(torch.randn(4001, 256, generator=g), "q4_0")
+    assert w.blocks.shape[1] == 144
+    x = torch.randn(rows, 256, generator=g)
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out = torch.full((rows, 4001), float("nan"))
+            k.ops.quant_linear(x, w.blocks, "q4_0" + suffix, out)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(before)
+    assert not outs[1].isnan().any()
+    assert torch.equal(outs[0], outs[1])

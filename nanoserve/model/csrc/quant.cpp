@@ -53,6 +53,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "rows.h"
 #include "vec.h"
 
 namespace {
@@ -710,7 +711,7 @@ void gemv(const float* x, int64_t M, int64_t xs, const uint8_t* blocks, int64_t 
         for (int j = 1; j < kPer; ++j) v += load(x + i * kBlock + j * kW);
         xsum[i] = vsum(v);
       }
-      at::parallel_for(0, N, 32, [&](int64_t begin, int64_t end) {
+      nanoserve::guided_rows(N, row_bytes, [&](int64_t begin, int64_t end) {
         for (int64_t n = begin; n < end; ++n) {
           out[n] = row_factored<F>(x, xsum.data(), blocks + n * row_bytes, nb);
         }
@@ -719,7 +720,7 @@ void gemv(const float* x, int64_t M, int64_t xs, const uint8_t* blocks, int64_t 
     }
   }
 #endif
-  at::parallel_for(0, N, 32, [&](int64_t begin, int64_t end) {
+  nanoserve::guided_rows(N, row_bytes, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       for (int64_t r = 0; r < M; r += 8) {
         rows_dot_any<F>(static_cast<int>(std::min<int64_t>(8, M - r)), x + r * xs, xs,
