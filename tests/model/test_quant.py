@@ -118,7 +118,7 @@ def test_stream_read_reads_every_byte_once(isa: str) -> None:
 
 @pytest.mark.parametrize("isa", ISA_PARAMS)
 @pytest.mark.parametrize(("rows", "suffix"), [(1, ""), (3, ""), (1, "+q8")])
-def test_two_threads_compute_every_output_row_once(isa: str, rows: int, suffix: str) -> None:
+def test_two_threads_compute_every_output_row(isa: str, rows: int, suffix: str) -> None:
     """Batch-1 products hand their output rows to the threads in shrinking runs
     (csrc/rows.h): 4,001 rows of 144 bytes make seven runs (1,000, 750, 562, three of the
     455-row minimum, a remainder of 324). Every row must come back (out starts as NaN), each
