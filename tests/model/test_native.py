@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -222,6 +223,11 @@ def test_without_a_compiler_the_model_runs_the_stock_path(tmp_path: Path) -> Non
                           "NANOSERVE_CACHE": str(tmp_path)})
     assert "available False" in done.stdout
     assert "native kernels unavailable, using stock PyTorch ops" in done.stderr
+    failing = _python(code, {"CXX": shutil.which("false") or "false",  # runs, exits 1
+                             "NANOSERVE_CACHE": str(tmp_path)})
+    assert "available False" in failing.stdout
+    assert "compiler failed" in failing.stderr
+    assert not list(tmp_path.glob("native/*")), "a failed build leaves nothing behind"
     off = _python(code, {"NANOSERVE_NATIVE": "0"})
     assert "available False" in off.stdout
     assert "NANOSERVE_NATIVE=0" in off.stderr
