@@ -13,7 +13,7 @@ No ninja and no pybind11 (what torch.utils.cpp_extension's JIT needs): each sour
 to an object by its own compiler process, as many at once as the process may use CPUs, then
 one link; once per instruction set (twice on a machine that measures its choice, which builds
 both). On a 2-vCPU Zen 3 the AVX2 library took 71 s as one compiler command over the six
-sources and 38 s as two at a time (2026-12-07).
+sources and 38-45 s as two at a time (2026-12-07).
 """
 
 from __future__ import annotations
