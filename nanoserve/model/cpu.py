@@ -123,6 +123,14 @@ def missing_state(flags: Iterable[str], xcr0: int) -> list[str]:
     return [name for bit, name in sorted(_STATE_NAMES.items()) if need & bit & ~xcr0]
 
 
+def cpu_count() -> int:
+    """The CPUs this process may run on (taskset, cgroups' cpusets), not the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def cpu_flags() -> frozenset[str]:
     """The CPU's instruction-set flags (Linux's /proc/cpuinfo), or none where it does not
     tell."""

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from nanoserve.model.cpu import cpu_count
 from nanoserve.model.isa_support import COMPILE, is_x86
 
 # native.py's logger: every line about the kernels, built, chosen or loaded, under one name
@@ -64,13 +65,6 @@ def _link_flags() -> list[str]:
     return [*flags, "-lc10", "-ltorch_cpu"]
 
 
-def _cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))  # what this process may run on (taskset, cgroups)
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
 def _compile(compiler: str, isa: str, output: Path) -> None:
     """Every source to an object, in parallel, then the one shared library at `output`;
     RuntimeError with the compiler's last words where a step fails."""
@@ -81,7 +75,7 @@ def _compile(compiler: str, isa: str, output: Path) -> None:
         def run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
             return subprocess.run(cmd, capture_output=True, text=True, check=False)
 
-        with ThreadPoolExecutor(max_workers=min(len(jobs), _cpus())) as pool:
+        with ThreadPoolExecutor(max_workers=min(len(jobs), cpu_count())) as pool:
             steps = list(pool.map(run, ([*flags, "-c", str(s), "-o", str(o)] for s, o in jobs)))
         if all(step.returncode == 0 for step in steps):
             steps.append(run([compiler, "-shared", "-fopenmp", *(str(o) for _, o in jobs),

@@ -36,6 +36,7 @@ from typing import TypeVar
 import torch
 
 from nanoserve.model.base import ForwardBatch
+from nanoserve.model.cpu import cpu_count
 from nanoserve.model.parallel.channel import (
     COPY,
     DIGEST,
@@ -80,13 +81,6 @@ def pick_backend(backend: str, device: str) -> str:
     if backend == "auto":
         return "nccl" if torch.device(device).type == "cuda" else "gloo"
     return backend
-
-
-def cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def _seconds(name: str, value: float) -> float:
