@@ -13,6 +13,7 @@ sending ends, the recorder's hook) is server/connection.py's.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import time
@@ -100,6 +101,21 @@ async def _authenticate() -> None:
                        "<key>'", None, "invalid_api_key")
 
 
+async def _after_the_body() -> None:
+    """Hold an error's answer until its request's body has arrived. Hypercorn ends an
+    HTTP/1.1 connection whose request is still arriving when the response is complete, so a
+    keep-alive client that sent its next request in that moment read a disconnect instead of
+    an answer (a 401, decided from the headers alone, did this under load). Routes read
+    their body anyway; this is for the answers given without it (401, 404, 405, 503), within
+    the limits a route's own read has (MAX_CONTENT_LENGTH, BODY_TIMEOUT), as nginx reads and
+    discards a body it will not use. Only error answers wait here: they hold nothing, so a
+    hang-up that cancels the wait loses nothing (a stream's answer, cancelled between its
+    route and its send, would leave its job behind)."""
+    # Too big or too slow after all: the answer stands, and the connection ends.
+    with contextlib.suppress(HTTPException):
+        await request.get_data(cache=False)
+
+
 def server_state(app: QuartTrio) -> ServerState:
     st: ServerState = app.extensions["nanoserve"]
     return st
@@ -116,18 +132,22 @@ async def drain(app: QuartTrio, grace: float) -> int:
 
 
 async def _api_error(exc: ApiError) -> Response:
+    await _after_the_body()
     return json_response(exc.body(), exc.status, exc.headers)
 
 
 async def _engine_dead(exc: EngineDeadError) -> Response:
     # Wherever a route meets the stopped bridge (preparing a prompt, starting a job), the
     # client reads the same 503.
+    await _after_the_body()
     err = ApiError(503, f"the engine is not running: {exc}", None, "engine_dead")
     return json_response(err.body(), err.status)
 
 
 async def _http_error(exc: HTTPException) -> Response:
     code = exc.code or 500
+    if code not in (408, 413):  # for these the body is what went wrong: the connection ends
+        await _after_the_body()
     cfg = current_state().config
     message, err = {
         404: (f"no route {request.method} {request.path}", "not_found"),

@@ -1,13 +1,15 @@
 """The limits and the key, where tests/test_server_api.py leaves a gap: a chunked body over
 the size limit (no Content-Length to refuse early), a prompt plus max_tokens over a context
 the size of the pool, `n` at and just over MAX_N, the API key on every route and method but /health
-(unknown routes included), and no secret in any log line of a real Hypercorn socket with
-access logging on at DEBUG."""
+(unknown routes included), no secret in any log line of a real Hypercorn socket with
+access logging on at DEBUG, and an answer given before its body arrived (a 401, a 404) that
+waits for the body, so the keep-alive connection lives on."""
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -15,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
+import trio.testing
 from support.http_harness import hypercorn_on_loopback, serving
 from support.server_harness import GOOD, assert_error, assert_serving, make_app, make_engine
 
@@ -137,3 +140,43 @@ async def test_the_key_never_reaches_a_log(caplog: pytest.LogCaptureFixture,
     for text in (caplog.text, out, err, *access):
         assert SECRET not in text
         assert SECRET[:-1] not in text  # nor the wrong key, which is nearly the key
+
+
+async def test_an_answer_decided_before_the_body_waits_for_it() -> None:
+    # A 401 (from the headers) and a 404 (from the path) need no body, but were they sent
+    # before it, Hypercorn would end the connection under a keep-alive client's next request.
+    keyed = {"authorization": f"Bearer {SECRET}"}
+    async with serving(make_app(api_key=SECRET)) as h:
+        for path, headers, status in [("/v1/completions", {}, 401),
+                                      ("/nowhere", keyed, 404)]:
+            body = json.dumps(GOOD).encode()
+            ex = await h.open("POST", path, complete_body=False,
+                              headers={**headers, "content-length": str(len(body))})
+            await ex.send_body(body[:10], more=True)
+            await trio.testing.wait_all_tasks_blocked()
+            ex.poll()
+            assert ex.status is None, f"{path} answered {ex.status} before its body"
+            await ex.send_body(body[10:])
+            assert_error(await ex.read_all(), status, None)
+
+
+async def test_a_401_keeps_a_keep_alive_connection() -> None:
+    # The real socket: the headers of a refused request, then (once the server has done all
+    # it can with them) its body and a second request on the same connection. Both answers
+    # come back; without waiting for the body, the server closed after the 401.
+    body = json.dumps(GOOD).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n\r\n").encode()
+    async with logged_server(make_app(clock=LiveClock(), api_key=SECRET)) as url:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        stream = await trio.open_tcp_stream(host, int(port))
+        async with stream:
+            await stream.send_all(head)
+            await trio.testing.wait_all_tasks_blocked()
+            await stream.send_all(body + b"GET /health HTTP/1.1\r\nhost: x\r\n"
+                                  b"connection: close\r\n\r\n")
+            received = b""
+            while chunk := await stream.receive_some():  # to the close after /health
+                received += chunk
+    # A status line follows the previous body directly: no CRLF before the second one.
+    assert re.findall(rb"HTTP/1\.1 (\d{3}) ", received) == [b"401", b"200"], received
