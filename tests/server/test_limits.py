@@ -167,7 +167,7 @@ async def test_a_401_keeps_a_keep_alive_connection() -> None:
     body = json.dumps(GOOD).encode()
     head = (f"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\n\r\n").encode()
-    async with logged_server(make_app(clock=LiveClock(), api_key=SECRET)) as url:
+    async with hypercorn_on_loopback(make_app(clock=LiveClock(), api_key=SECRET)) as url:
         host, port = url.removeprefix("http://").rsplit(":", 1)
         stream = await trio.open_tcp_stream(host, int(port))
         async with stream:
@@ -176,7 +176,8 @@ async def test_a_401_keeps_a_keep_alive_connection() -> None:
             await stream.send_all(body + b"GET /health HTTP/1.1\r\nhost: x\r\n"
                                   b"connection: close\r\n\r\n")
             received = b""
-            while chunk := await stream.receive_some():  # to the close after /health
-                received += chunk
+            with trio.fail_after(60):  # a bound, not a stopwatch: the server must close
+                while chunk := await stream.receive_some():  # after /health
+                    received += chunk
     # A status line follows the previous body directly: no CRLF before the second one.
     assert re.findall(rb"HTTP/1\.1 (\d{3}) ", received) == [b"401", b"200"], received
