@@ -227,6 +227,8 @@ def test_without_a_compiler_the_model_runs_the_stock_path(tmp_path: Path) -> Non
                              "NANOSERVE_CACHE": str(tmp_path)})
     assert "available False" in failing.stdout
     assert "compiler failed" in failing.stderr
+    # The failed step named, with its exit status: the first source, as every one fails.
+    assert "compiler failed on attention.cpp (exit 1)" in failing.stderr
     assert not list(tmp_path.glob("native/*")), "a failed build leaves nothing behind"
     off = _python(code, {"NANOSERVE_NATIVE": "0"})
     assert "available False" in off.stdout
