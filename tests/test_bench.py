@@ -74,3 +74,54 @@ def test_each_round_sets_a_decode_against_the_read_just_before_it(
     assert events == ["decode 8 on engine 0"] + ["read x3", "decode 16 on engine 0"] * 3
     # Round by round: 30 tok/s of a 20 tok/s bound, 12 of 10, 45 of 40.
     assert shares == [1.5, 1.2, 1.125]
+
+
+def test_each_step_is_set_against_the_read_just_before_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from nanoserve.bench import decode
+
+    events: list[str] = []
+    clock = [0.0]
+    speeds = iter([4e9, 2e9, 8e9])  # bytes/s of the reads before the three decode steps
+    seconds = iter([0.125, 1.0, 0.0625])  # each step's time (binary fractions: exact sums)
+    made = iter([1, 3, 1])  # tokens each step gives (a speculative step can give several)
+
+    def read(times: int) -> float:
+        events.append(f"read x{times}")
+        return next(speeds)
+
+    class Update:
+        def __init__(self, n: int) -> None:
+            self.new_token_ids = tuple(range(n))
+
+    class Output:
+        def __init__(self, n: int) -> None:
+            self.updates = [Update(n)]
+
+    class FakeEngine:
+        steps = 0
+
+        def add_request(self, prompt: list[int], params: object) -> None:
+            events.append(f"add {params.max_tokens}")  # type: ignore[attr-defined]
+
+        def has_unfinished(self) -> bool:
+            return self.steps < 4
+
+        def step(self) -> Output:
+            self.steps += 1
+            if self.steps == 1:
+                events.append("prefill")
+                return Output(1)
+            events.append("step")
+            clock[0] += next(seconds)
+            return Output(next(made))
+
+    monkeypatch.setattr(decode, "_warmed", lambda *args: FakeEngine())
+    monkeypatch.setattr(decode.time, "perf_counter", lambda: clock[0])
+    pairs = decode.paired_shares(None, None, [1, 2], 1_000_000_000,  # type: ignore[arg-type]
+                                 read, 4)
+    # The prefill untimed, then one read right before each step, never two in a row.
+    assert events == ["add 4", "prefill"] + ["read x1", "step"] * 3
+    # A step's bound: its tokens' weights at the read just before it (1 GB at 4 GB/s is
+    # 0.25 s; three tokens at 2 GB/s, 1.5 s), beside the step's own seconds.
+    assert pairs == [(0.25, 0.125), (1.5, 1.0), (0.125, 0.0625)]

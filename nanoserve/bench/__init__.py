@@ -9,8 +9,9 @@ a yardstick measured in the same process: the compute throughput against a 2048 
 float32 `torch.mm` (the fraction of that peak the whole run sustains, counting 2 FLOP per
 weight per computed token, prompt and output), and batch-1 decode against the
 memory-bandwidth bound (every weight read once per token, at the speed the kernels' own
-threads read a buffer of the weights' size, measured right after it, and again in rounds of
-a read and a decode: decode.shares_of_bound). The mm is timed
+threads read a buffer of the weights' size, measured right after it, again in rounds of a
+read and a decode, decode.shares_of_bound, and step by step, a read beside each decode step,
+decode.paired_shares). The mm is timed
 before and after the run and the faster taken: one timing in a slow minute once came out
 at half speed, which made the run look twice as good. `--pack off` runs the same workload
 without pre-packed weights, for an old-versus-new comparison.
@@ -33,6 +34,7 @@ import contextlib
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -42,6 +44,7 @@ from nanoserve.bench.args import workload
 from nanoserve.bench.decode import (
     Figures,
     batched_decode,
+    paired_shares,
     shares_of_bound,
     single_stream,
     step_overhead,
@@ -232,6 +235,7 @@ def _single_line(model: Model, tok: Tokenizer, prompt: list[int], tokens: int,
           f"{single / bound:.0%} of it; {median:.0%} ({shares[0]:.0%}-{shares[-1]:.0%}) in "
           f"{_ROUNDS} rounds of a read and {n} tokens; reads from DRAM {dram / 1e9:.1f} GB/s, "
           f"a copy moves {bw / 1e9:.1f} GB/s")
+    paired = _paired_line(model, tok, prompt, weight_bytes, read_weights, tokens, speculative)
     return {"single_decode_tokens_per_s": round(single, 2),
             "weight_mbytes": round(weight_bytes / 1e6, 1),
             "read_gbytes_per_s": round(read / 1e9, 2),
@@ -241,7 +245,30 @@ def _single_line(model: Model, tok: Tokenizer, prompt: list[int], tokens: int,
             "bound_over_single": round(bound / single, 2),
             "share_of_bound": round(single / bound, 3),
             "share_of_bound_by_round": ",".join(f"{v:.3f}" for v in shares),
-            "share_of_bound_median_round": round(median, 3)}
+            "share_of_bound_median_round": round(median, 3), **paired}
+
+
+def _paired_line(model: Model, tok: Tokenizer, prompt: list[int], weight_bytes: int,
+                 read: Callable[[int], float], tokens: int,
+                 speculative: SpeculativeConfig | None) -> Figures:
+    """The batch-1 share step by step (decode.paired_shares), its line printed: the bound's
+    seconds over the decode's, summed over the steps, and the middle half of the steps'
+    own shares. Not measured where the weights fit in the last-level cache but not beside
+    a buffer of their size: a read between steps would evict them."""
+    cache = last_level_cache_bytes()
+    if cache and weight_bytes <= cache < 2 * weight_bytes:
+        print(f"batch 1, step by step: not measured ({weight_bytes / 1e6:.0f} MB of weights "
+              f"fit in the {cache >> 20} MiB last-level cache, but not beside a read of "
+              "their size)")
+        return {}
+    pairs = paired_shares(model, tok, prompt, weight_bytes, read, tokens, speculative)
+    share = sum(b for b, _ in pairs) / sum(s for _, s in pairs)
+    steps = [b / s for b, s in pairs]
+    q1, _, q3 = statistics.quantiles(steps, n=4) if len(steps) > 1 else steps * 3
+    print(f"batch 1, step by step: {share:.0%} of the bound over {len(pairs)} steps, each "
+          f"beside a read of the weights' size (the middle half of steps {q1:.0%}-{q3:.0%})")
+    return {"share_of_bound_paired": round(share, 3),
+            "share_of_bound_paired_quartiles": f"{q1:.3f},{q3:.3f}"}
 
 
 def last_level_cache_bytes() -> int:

@@ -111,6 +111,29 @@ def shares_of_bound(model: Model, tok: Tokenizer, prompt: list[int], weight_byte
     return shares
 
 
+def paired_shares(model: Model, tok: Tokenizer, prompt: list[int], weight_bytes: int,
+                  read: Callable[[int], float], n: int,
+                  speculative: SpeculativeConfig | None = None) -> list[tuple[float, float]]:
+    """Batch-1 decode beside the read-bandwidth bound step by step: before each decode step
+    one read of the weights' size is timed (`read(1)`). Returns, a step each, the seconds
+    that read takes for the step's tokens (the bound's time) and the step's own seconds;
+    their sums' ratio is the decode's share of the bound over the same seconds. A round
+    (shares_of_bound) sets the best of three reads against the mean of a decode of a second
+    or more: the peak of a drifting read speed against an average. Here both are
+    sums of single measurements, tens of milliseconds apart: like for like. Only for weights
+    that do not share the last-level cache with the read (bench's _paired_line says)."""
+    engine = _warmed(model, tok, prompt, n, speculative)
+    engine.add_request(prompt, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n))
+    engine.step()  # the prefill (and first token), as _decode leaves it untimed
+    pairs = []
+    while engine.has_unfinished():
+        read_s = weight_bytes / read(1)
+        t0 = time.perf_counter()
+        tokens = sum(len(u.new_token_ids) for u in engine.step().updates)
+        pairs.append((tokens * read_s, time.perf_counter() - t0))
+    return pairs
+
+
 def batched_decode(model: Model, tok: Tokenizer, seqs: int, prompt_len: int, n: int,
                    seed: int = 0) -> float:
     """Decode tokens/s of `seqs` sequences together, prefill excluded: llama-batched-bench's
