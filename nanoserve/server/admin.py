@@ -67,7 +67,7 @@ async def tokenize() -> Response:
     r = ready(st)
     raw = await read_body()
 
-    def work() -> tuple[list[int], list[str] | None]:  # off the event loop (offload.py)
+    def work() -> tuple[list[int], list[str] | None]:  # a large body's off the loop (offload.py)
         body = parse.loads(raw)
         parse.check_model(body, st.config.served_model_name)
         req = validate(r.api.tokenize, body)
@@ -91,7 +91,7 @@ async def tokenize() -> Response:
                 else None)
         return ids, strs
 
-    ids, strs = await st.offload.run(work)
+    ids, strs = await st.offload.run(work, len(raw))
     return json_response({"count": len(ids), "max_model_len": r.engine.max_model_len,
                           "tokens": ids, "token_strs": strs})
 

@@ -46,7 +46,7 @@ async def read_body() -> bytes:
 async def read_json() -> dict[str, object]:
     """The body, parsed off the event loop: a megabyte of JSON is tens of milliseconds."""
     raw = await read_body()
-    return await current_state().offload.run(lambda: parse.loads(raw))
+    return await current_state().offload.run(lambda: parse.loads(raw), len(raw))
 
 
 def caps(st: ServerState, r: Ready) -> Caps:
@@ -96,7 +96,7 @@ def register(app: Quart) -> None:
                     p, skip_special_tokens=False) for p in req.prompts]
             return req, prepare_all(r, req), prefixes
 
-        req, prepared, prefixes = await st.offload.run(work)
+        req, prepared, prefixes = await st.offload.run(work, len(raw))
         return await _generate(st, r, "completion", req, prepared, prefixes)
 
     @app.post("/v1/chat/completions")
@@ -110,5 +110,5 @@ def register(app: Quart) -> None:
                              st.now, st.config.agents, limits)
             return req, prepare_all(r, req)
 
-        req, prepared = await st.offload.run(work)
+        req, prepared = await st.offload.run(work, len(raw))
         return await _generate(st, r, "chat", req, prepared, None)

@@ -3,8 +3,8 @@
 Parsing a body, validating it, rendering the chat template, tokenizing and compiling a
 grammar all grow with the request: on the event loop, a 1.7 MB body of 10,000 tools held
 every other stream and /health for 34 seconds. Each route hands that work to `Offload.run`,
-which runs it in a worker thread under a small limiter shared by the app, so the loop keeps
-serving while it runs. Python's GIL still lets one thread run at a time, but it switches
+which runs a large body's in a worker thread under a small limiter shared by the app, so the
+loop keeps serving while it runs. Python's GIL still lets one thread run at a time, but it switches
 every few milliseconds (sys.getswitchinterval), which is the stall a heavy request now costs
 its neighbours instead of its whole duration. The limiter is small for the same reason:
 more threads only queue for the GIL, and the engine's step thread must still get its turn.
@@ -35,6 +35,17 @@ streams' worst gap 150-270, 50-120 and 90-130 ms at 5 ms; 50-90, 40-70 and 65-10
 against 61-119 ms, the heavy request 1.6 s against 1.0 s. The interval is the process's,
 so the count of work in flight is too.
 
+A small body's work stays on the loop. Handing it to a thread is not free where the step
+thread and its OpenMP worker hold both cores: the worker must win the GIL and a core, and the
+loop waits for it to hand the result back. At 16 streams of 128-token prompts (SmolLM2 on a
+2-vCPU Zen 3, `python -m sim.bench.online --n 64`, runs taking turns, 2026-12-08), every
+body in a thread gave 115.7-158.4 output tok/s (median 135.9, eleven runs), the work inline
+141.1-164.3 (median 160.0, five runs), the server before the offload (8c97eeb) 137.5-155.8
+(median 148.7, eleven runs). A body under INLINE_BYTES is parsed, rendered and tokenized in
+a few milliseconds (a chat body of 65 tools, 16 KB, on the stub: 3.9-4.6 ms), the stall a
+step's own Python already is; the bodies that stalled the loop for hundreds of milliseconds
+(1,000 tools, a 1 MB input) are far above it.
+
 Only the live clock gets threads. The step, virtual and gate clocks promise that a run is a
 pure function of its trace (bridge/clock.py): a thread would let a request reach the inbox
 at a moment the scheduler chose, and an autojump clock leap ahead while it ran. There the
@@ -59,6 +70,8 @@ BUSY_SWITCH_INTERVAL_S = 0.0001
 # or MAX_HOLD_S at most.
 NO_FULL_COLLECTION = 2**31 - 1
 MAX_HOLD_S = 5.0
+# Bodies smaller than this run their work inline on the loop (the module's docstring).
+INLINE_BYTES = 16 << 10
 
 
 class _Busy:
@@ -108,11 +121,12 @@ class Offload:
     def threaded(self) -> bool:
         return self._threads is not None
 
-    async def run(self, fn: Callable[[], T]) -> T:
-        """`fn()`, in a worker thread when threaded. Not abandoned on cancellation: `fn`
+    async def run(self, fn: Callable[[], T], body_bytes: int) -> T:
+        """`fn()`, the work of a body of `body_bytes`: in a worker thread when threaded and
+        the body is INLINE_BYTES or more, else inline. Not abandoned on cancellation: `fn`
         only reads shared state (Engine.prepare is safe beside a step), so a client that
         leaves costs the rest of its work, which the limits bound (body/limits.py)."""
-        if self._threads is None:
+        if self._threads is None or body_bytes < INLINE_BYTES:
             return fn()
         if self._limiter is None:
             self._limiter = trio.CapacityLimiter(self._threads)

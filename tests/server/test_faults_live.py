@@ -205,8 +205,8 @@ async def test_a_stuck_step_thread_leaves_the_server_answering() -> None:
         for path in ("/health", "/v1/models", "/metrics"):
             assert (await h.request("GET", path)).status == 200
         later = await h.open("POST", C, json_body=later_body)
-        # Parsed and prepared in a worker thread first (server/offload.py), which
-        # wait_all_tasks_blocked does not wait for; nothing in Trio tells when it is done.
+        # A large body is parsed and prepared in a worker thread (server/offload.py), which
+        # wait_all_tasks_blocked does not wait for: the wait holds whichever path it took.
         with trio.fail_after(BOUND_S):
             while bridge.statistics().queued == 0:  # noqa: ASYNC110
                 await trio.lowlevel.checkpoint()

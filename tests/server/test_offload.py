@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import gc
 import sys
+import threading
 from collections.abc import Iterator
+from functools import partial
 
 import pytest
+import trio
 
 from nanoserve.server import offload
 from nanoserve.server.offload import NO_FULL_COLLECTION, _Busy
@@ -57,3 +60,28 @@ def test_collections_resume_after_the_hold_where_work_never_stops(now: list[floa
     _Busy.enter()  # after a moment with none in flight, the next one holds them again
     assert gc.get_threshold() == (700, 10, NO_FULL_COLLECTION)
     _Busy.leave()
+
+
+def test_a_small_body_s_work_runs_on_the_loop_and_a_large_one_s_in_a_thread(
+        now: list[float]) -> None:
+    seen: list[tuple[int, int, float]] = []  # (body bytes, thread, switch interval) in fn
+
+    def work(size: int) -> int:
+        seen.append((size, threading.get_ident(), sys.getswitchinterval()))
+        return size
+
+    async def main() -> int:
+        pool = offload.Offload(2)
+        for size in (0, offload.INLINE_BYTES - 1, offload.INLINE_BYTES, 1 << 20):
+            assert await pool.run(partial(work, size), size) == size
+        inline = offload.Offload(None)  # a replay's clocks: inline at any size
+        assert await inline.run(partial(work, -1), 1 << 20) == -1
+        return threading.get_ident()
+
+    loop = trio.run(main)
+    where = [(size, thread == loop) for size, thread, _ in seen]
+    assert where == [(0, True), (offload.INLINE_BYTES - 1, True),
+                     (offload.INLINE_BYTES, False), (1 << 20, False), (-1, True)]
+    # Only the threaded work lowered the switch interval, and it is back as found.
+    assert [interval == 0.005 for _, _, interval in seen] == [True, True, False, False, True]
+    assert sys.getswitchinterval() == pytest.approx(0.005)

@@ -48,7 +48,7 @@ def register(app: Quart) -> None:
                 raise responses_error(exc) from None
             return req, prepared, request_echo(body)
 
-        req, prepared, echo = await st.offload.run(work)
+        req, prepared, echo = await st.offload.run(work, len(raw))
         rid = f"resp_{request_core_id(st)}"
         renderer = ResponseRenderer(rid, st.config.served_model_name, int(st.now()), echo)
         out = (req.output or OutputPlan()).start(rid, 0)
