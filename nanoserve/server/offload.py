@@ -4,10 +4,11 @@ Parsing a body, validating it, rendering the chat template, tokenizing and compi
 grammar all grow with the request: on the event loop, a 1.7 MB body of 10,000 tools held
 every other stream and /health for 34 seconds. Each route hands that work to `Offload.run`,
 which runs a large body's in a worker thread under a small limiter shared by the app, so the
-loop keeps serving while it runs. Python's GIL still lets one thread run at a time, but it switches
-every few milliseconds (sys.getswitchinterval), which is the stall a heavy request now costs
-its neighbours instead of its whole duration. The limiter is small for the same reason:
-more threads only queue for the GIL, and the engine's step thread must still get its turn.
+loop keeps serving while it runs. Python's GIL still lets one thread run at a time, but it
+switches every few milliseconds (sys.getswitchinterval), which is the stall a heavy request
+now costs its neighbours instead of its whole duration. The limiter is small for the same
+reason: more threads only queue for the GIL, and the engine's step thread must still get its
+turn.
 
 The other stall a big request causes is the garbage collector's: the objects it allocates
 start a collection of the oldest generation, which walks every object in the process (the
@@ -39,9 +40,10 @@ A small body's work stays on the loop. Handing it to a thread is not free where 
 thread and its OpenMP worker hold both cores: the worker must win the GIL and a core, and the
 loop waits for it to hand the result back. At 16 streams of 128-token prompts (SmolLM2 on a
 2-vCPU Zen 3, `python -m sim.bench.online --n 64`, runs taking turns, 2026-12-08), every
-body in a thread gave 115.7-158.4 output tok/s (median 135.9, eleven runs), the work inline
-141.1-164.3 (median 160.0, five runs), the server before the offload (8c97eeb) 137.5-155.8
-(median 148.7, eleven runs). A body under INLINE_BYTES is parsed, rendered and tokenized in
+body in a thread gave 115.7-158.4 output tok/s (median 135.9, eleven runs), every body
+inline 141.1-164.3 (median 160.0, five runs), INLINE_BYTES' rule 155.2-173.1 (median 162.2,
+three runs), the server before the offload (8c97eeb) 137.5-157.4 (median 150.2, fourteen
+runs). A body under INLINE_BYTES is parsed, rendered and tokenized in
 a few milliseconds (a chat body of 65 tools, 16 KB, on the stub: 3.9-4.6 ms), the stall a
 step's own Python already is; the bodies that stalled the loop for hundreds of milliseconds
 (1,000 tools, a 1 MB input) are far above it.
