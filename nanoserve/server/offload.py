@@ -41,9 +41,10 @@ thread and its OpenMP worker hold both cores: the worker must win the GIL and a 
 loop waits for it to hand the result back. At 16 streams of 128-token prompts (SmolLM2 on a
 2-vCPU Zen 3, `python -m sim.bench.online --n 64`, runs taking turns, 2026-12-08), every
 body in a thread gave 115.7-158.4 output tok/s (median 135.9, eleven runs), every body
-inline 141.1-164.3 (median 160.0, five runs), INLINE_BYTES' rule 155.2-173.1 (median 162.2,
-three runs), the server before the offload (8c97eeb) 137.5-157.4 (median 150.2, fourteen
-runs). A body under INLINE_BYTES is parsed, rendered and tokenized in
+inline 141.1-164.3 (median 160.0, five runs), and the server before the offload (8c97eeb)
+137.5-155.8 in the same rounds (median 148.7, eleven runs). With INLINE_BYTES' rule,
+123.8-178.7 (median 157.1, eight runs) against 143.9-168.4 before (median 155.8, the same
+rounds). A body under INLINE_BYTES is parsed, rendered and tokenized in
 a few milliseconds (a chat body of 65 tools, 16 KB, on the stub: 3.9-4.6 ms), the stall a
 step's own Python already is; the bodies that stalled the loop for hundreds of milliseconds
 (1,000 tools, a 1 MB input) are far above it.
