@@ -125,3 +125,25 @@ def test_each_step_is_set_against_the_read_just_before_it(
     # A step's bound: its tokens' weights at the read just before it (1 GB at 4 GB/s is
     # 0.25 s; three tokens at 2 GB/s, 1.5 s), beside the step's own seconds.
     assert pairs == [(0.25, 0.125), (1.5, 1.0), (0.125, 0.0625)]
+
+
+def test_the_reader_warms_its_buffer_once_not_every_call() -> None:
+    from nanoserve.bench import yardsticks
+
+    reads: list[int] = []
+
+    class Ops:
+        @staticmethod
+        def stream_read(buf: object) -> float:
+            reads.append(1)
+            return 0.0
+
+    class FakeKernels:
+        ops = Ops()
+
+    read = yardsticks.reader(1 << 20, FakeKernels())  # type: ignore[arg-type]
+    assert len(reads) == 1  # the first touch, untimed
+    read(1)  # a step's read (paired_shares): one read, no second warm-up
+    assert len(reads) == 2
+    read(3)
+    assert len(reads) == 5

@@ -13,14 +13,19 @@ from nanoserve.model import Model
 from nanoserve.model.native import Kernels
 
 
-def _best_of(fn: Callable[[], object], times: int) -> float:
-    fn()  # warm-up: first-touch page faults and kernel selection
+def _fastest(fn: Callable[[], object], times: int) -> float:
+    """The fastest of `times` timed calls of `fn`, in seconds."""
     best = float("inf")
     for _ in range(times):
         t0 = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def _best_of(fn: Callable[[], object], times: int) -> float:
+    fn()  # warm-up: first-touch page faults and kernel selection
+    return _fastest(fn, times)
 
 
 def mm_flops(n: int = 2048) -> float:
@@ -44,13 +49,15 @@ def read_bandwidth(nbytes: int, kernels: Kernels | None = None) -> float:
 
 
 def reader(nbytes: int, kernels: Kernels | None = None) -> Callable[[int], float]:
-    """read_bandwidth's buffer, made once: the returned function reads it `times` times (after
-    one untimed read) and gives the best bytes/s, as often as asked."""
+    """read_bandwidth's buffer, made and read once untimed (its pages' first touch): the
+    returned function reads it `times` times and gives the best bytes/s, as often as asked.
+    The warm-up is once, not a call: paired_shares reads once before every decode step."""
     buf = torch.ones(max(nbytes, 1 << 20) // 64 * 64, dtype=torch.uint8)
-    if kernels is not None:
-        return lambda times: buf.numel() / _best_of(lambda: kernels.ops.stream_read(buf), times)
     floats = buf.view(torch.float32)
-    return lambda times: buf.numel() / _best_of(lambda: floats.sum(), times)
+    read: Callable[[], object] = ((lambda: kernels.ops.stream_read(buf)) if kernels is not None
+                                  else floats.sum)
+    read()
+    return lambda times: buf.numel() / _fastest(read, times)
 
 
 def weight_numel(model: Model) -> int:
